@@ -1,0 +1,39 @@
+"""kvstrata: tiered, crash-safe, shared KV-cache memory for long-running LLM agents."""
+
+from kvstrata.config import GcConfig, StoreConfig, WritePolicy
+from kvstrata.errors import (
+    CodecError,
+    ConfigError,
+    CorruptBlockError,
+    KVStrataError,
+    LayoutMismatchError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StoreFormatError,
+    TierUnavailableError,
+)
+from kvstrata.layout import KVLayout
+from kvstrata.sessions import Priority, Session, SessionInfo
+from kvstrata.store import KVStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CodecError",
+    "ConfigError",
+    "CorruptBlockError",
+    "GcConfig",
+    "KVLayout",
+    "KVStore",
+    "KVStrataError",
+    "LayoutMismatchError",
+    "Priority",
+    "Session",
+    "SessionExistsError",
+    "SessionInfo",
+    "SessionNotFoundError",
+    "StoreConfig",
+    "StoreFormatError",
+    "TierUnavailableError",
+    "WritePolicy",
+]

@@ -1,0 +1,34 @@
+"""The ``kvstrata`` command."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from kvstrata.cli.demo_cmd import demo
+from kvstrata.cli.sessions_cmds import sessions_app
+from kvstrata.cli.store_cmds import gc, inspect, store_app
+
+app = typer.Typer(
+    name="kvstrata",
+    help="Tiered, crash-safe KV-cache memory for long-running LLM agents.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+app.command()(inspect)
+app.command()(gc)
+app.command()(demo)
+app.add_typer(store_app, name="store")
+app.add_typer(sessions_app, name="sessions")
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log what the store does.")) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,136 @@
+"""``kvstrata inspect``, ``kvstrata store stats``, ``kvstrata gc``."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kvstrata.cli.common import JsonOption, StoreOption, console, err_console, open_store, print_json
+from kvstrata.config import DAY_S, GcConfig
+from kvstrata.errors import CorruptBlockError, LayoutMismatchError
+from kvstrata.kvbin import decode_record
+from kvstrata.lifecycle import collect_garbage
+
+store_app = typer.Typer(help="Inspect a store.", no_args_is_help=True)
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "∞"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def inspect(
+    file: Annotated[Path, typer.Argument(help="A .kvbin block file.", exists=False)],
+    json_out: JsonOption = False,
+) -> None:
+    """Print a block file's header and verify its CRC32C; exit 1 with one line on corruption."""
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        err_console.print(f"{file}: cannot read: {exc.strerror}")
+        raise typer.Exit(1) from exc
+    try:
+        header, block = decode_record(data, path=file)
+    except (CorruptBlockError, LayoutMismatchError) as exc:
+        err_console.print(f"corrupt: {exc}", markup=False, highlight=False)
+        raise typer.Exit(1) from exc
+    info = {
+        "file": str(file),
+        "format_version": header.version,
+        "layout_fingerprint": header.layout_fingerprint.hex(),
+        "key": header.key.hex(),
+        "num_tokens": header.num_tokens,
+        "start_pos": header.start_pos,
+        "codec": block.codec.name.lower(),
+        "params_bytes": header.params_len,
+        "payload_bytes": header.payload_len,
+        "created": dt.datetime.fromtimestamp(header.created_ns / 1e9, dt.UTC).isoformat(),
+        "crc32c": "ok",
+    }
+    if json_out:
+        print_json(info)
+        return
+    table = Table(show_header=False, title=str(file))
+    for k, v in info.items():
+        table.add_row(k, str(v))
+    console.print(table)
+
+
+@store_app.command("stats")
+def store_stats(store: StoreOption = None, json_out: JsonOption = False) -> None:
+    """Per tier: blocks, bytes, budget, hits/misses, and L2 fragmentation."""
+    kv = open_store(store)
+    try:
+        stats = kv.stats()
+    finally:
+        kv.close()
+    if json_out:
+        print_json(stats)
+        return
+    table = Table(title=f"kvstrata store {stats.root}")
+    for col in (
+        "tier",
+        "blocks",
+        "bytes",
+        "budget",
+        "hits",
+        "misses",
+        "promoted",
+        "demoted",
+        "fragmentation",
+        "by codec",
+    ):
+        table.add_column(col, justify="left" if col in ("tier", "by codec") else "right")
+    for t in stats.tiers:
+        codecs = ", ".join(f"{k} {_human(v)}" for k, v in sorted(t.bytes_by_codec.items()))
+        table.add_row(
+            t.tier + ("" if t.live else "*"),
+            str(t.blocks),
+            _human(t.used_bytes),
+            _human(t.budget_bytes),
+            str(t.hits),
+            str(t.misses),
+            str(t.promotions),
+            str(t.demotions),
+            _human(t.fragmentation_bytes),
+            codecs,
+        )
+    console.print(table)
+    console.print(
+        f"sessions {stats.sessions} · layout {stats.layout} · corrupt blocks {stats.corrupt_blocks} · "
+        f"lost {stats.lost_blocks} · opened in {stats.open_seconds * 1000:.0f} ms"
+    )
+    if any(not t.live for t in stats.tiers):
+        console.print("* memory tiers as the last process that used the store left them")
+
+
+def gc(
+    store: StoreOption = None,
+    cold_after_days: Annotated[float, typer.Option(help="Move blocks idle this long to cold/.")] = 7.0,
+    retention_days: Annotated[float, typer.Option(help="Delete unpinned sessions idle this long.")] = 30.0,
+    json_out: JsonOption = False,
+) -> None:
+    """Age blocks to cold/, expire sessions (TTL, retention), delete unreferenced blocks."""
+    kv = open_store(store)
+    try:
+        report = collect_garbage(kv, GcConfig(cold_after_days * DAY_S, retention_days * DAY_S))
+    finally:
+        kv.close()
+    if json_out:
+        print_json(report)
+        return
+    console.print(
+        f"gc: {report.sessions_deleted} sessions expired, {report.blocks_deleted} blocks deleted "
+        f"({_human(report.bytes_freed)}), {report.blocks_moved_cold} moved to cold/, "
+        f"{report.orphan_files_removed} orphan files removed in {report.seconds:.2f} s"
+    )

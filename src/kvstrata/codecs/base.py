@@ -1,0 +1,83 @@
+"""What a codec is: a pure encode/decode pair for one block, and the record it produces.
+
+A block is a tensor of shape ``(2, num_layers, num_kv_heads, num_tokens, head_dim)`` in the
+layout's dtype. ``encode`` turns it into an :class:`EncodedBlock` (codec id, a small parameter
+record, payload bytes); ``decode`` turns the record back into a tensor of the layout's dtype using
+only what the record carries, so decoding never guesses. Codecs do no I/O and hold no state
+besides their frozen configuration.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from kvstrata.layout import KVLayout
+
+
+class CodecId(enum.IntEnum):
+    """Stable numeric ids; they are written into every block record, never renumber them."""
+
+    IDENTITY = 0
+    LOSSLESS = 1
+    FP16 = 2
+    BF16 = 3
+    INT8 = 4
+    KIVI4 = 5
+    KIVI2 = 6
+    DELTA = 7
+    SPARSE = 8
+    NAIVE_INT4 = 9
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBlock:
+    """A block in encoded form, as every tier below L1 keeps it."""
+
+    codec: CodecId
+    params: bytes
+    payload: bytes
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.params) + len(self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockContext:
+    """Where a block sits in its sequence; position-aware codecs (KIVI sinks) read it."""
+
+    start_pos: int = 0
+
+
+# A module-level default, so that ``encode(kv)`` signatures share one immutable instance.
+DEFAULT_CONTEXT = BlockContext()
+
+
+@runtime_checkable
+class Codec(Protocol):
+    codec_id: ClassVar[CodecId]
+    name: ClassVar[str]
+    lossless: ClassVar[bool]
+
+    def encode(self, kv: torch.Tensor, ctx: BlockContext = ...) -> EncodedBlock: ...
+
+    def decode(self, block: EncodedBlock, layout: KVLayout) -> torch.Tensor: ...
+
+
+def tensor_bytes(kv: torch.Tensor) -> bytes:
+    """The exact bytes of a tensor (any dtype, bfloat16 included), in C order."""
+    flat = kv.detach().to("cpu").contiguous().view(torch.uint8)
+    return flat.numpy().tobytes()
+
+
+def tensor_from_bytes(
+    payload: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A fresh, writable tensor holding ``payload`` reinterpreted as ``dtype`` with ``shape``."""
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)

@@ -1,0 +1,35 @@
+"""``identity``: the exact bytes of the model dtype. Bit-exact, ratio 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvstrata.codecs.base import (
+    DEFAULT_CONTEXT,
+    BlockContext,
+    CodecId,
+    EncodedBlock,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from kvstrata.errors import CorruptBlockError
+from kvstrata.layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityCodec:
+    codec_id: ClassVar[CodecId] = CodecId.IDENTITY
+    name: ClassVar[str] = "identity"
+    lossless: ClassVar[bool] = True
+
+    def encode(self, kv: torch.Tensor, ctx: BlockContext = DEFAULT_CONTEXT) -> EncodedBlock:
+        return EncodedBlock(self.codec_id, b"", tensor_bytes(kv), int(kv.shape[3]))
+
+    def decode(self, block: EncodedBlock, layout: KVLayout) -> torch.Tensor:
+        expected = layout.block_nbytes(block.num_tokens)
+        if len(block.payload) != expected:
+            raise CorruptBlockError(f"identity payload has {len(block.payload)} bytes, expected {expected}")
+        return tensor_from_bytes(block.payload, layout.torch_dtype, layout.block_shape(block.num_tokens))

@@ -1,0 +1,79 @@
+"""Configuration of the store: frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from kvstrata.errors import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+DAY_S = 86_400.0
+
+
+class WritePolicy(enum.StrEnum):
+    WRITE_THROUGH = "write-through"
+    """Every new block is queued for L3 at once: sessions are durable soon after each write."""
+    WRITE_BACK = "write-back"
+    """Blocks reach L3 when they leave host memory or at a checkpoint: fewer writes."""
+
+
+def default_store_dir() -> Path:
+    """``$KVSTRATA_STORE``, else the platform's user data directory (platformdirs)."""
+    env = os.environ.get("KVSTRATA_STORE")
+    if env:
+        return Path(env).expanduser()
+    return Path(platformdirs.user_data_dir("kvstrata", appauthor=False)) / "store"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    l1_budget_bytes: int = 256 * MiB
+    l2_budget_bytes: int = 1 * GiB
+    l3_budget_bytes: int | None = None
+    device: str = "cpu"
+    pin_host_memory: bool = False
+    high_watermark: float = 0.85
+    low_watermark: float = 0.70
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    checkpoint_every_tokens: int = 256
+    writer_queue_bytes: int = 256 * MiB
+    writer_bandwidth_bytes_per_s: float | None = None
+    eviction: str = "lru"
+    promote_on_read: bool = True
+    l2_codec: str = "identity"
+    l3_codec: str = "identity"
+
+    def __post_init__(self) -> None:
+        for name in ("l1_budget_bytes", "l2_budget_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if self.l3_budget_bytes is not None and self.l3_budget_bytes <= 0:
+            raise ConfigError("l3_budget_bytes must be positive or None (unlimited)")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ConfigError(
+                "watermarks must satisfy 0 < low < high <= 1, "
+                f"got low={self.low_watermark} high={self.high_watermark}"
+            )
+        if self.checkpoint_every_tokens <= 0:
+            raise ConfigError("checkpoint_every_tokens must be positive")
+        if self.writer_queue_bytes <= 0:
+            raise ConfigError("writer_queue_bytes must be positive")
+        if self.writer_bandwidth_bytes_per_s is not None and self.writer_bandwidth_bytes_per_s <= 0:
+            raise ConfigError("writer_bandwidth_bytes_per_s must be positive or None")
+        object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+
+
+@dataclass(frozen=True, slots=True)
+class GcConfig:
+    cold_after_s: float = 7 * DAY_S
+    retention_s: float = 30 * DAY_S
+
+    def __post_init__(self) -> None:
+        if self.cold_after_s < 0 or self.retention_s < 0:
+            raise ConfigError("gc ages must be >= 0")

@@ -1,0 +1,154 @@
+"""Store statistics: live figures per tier, and cumulative counters persisted across runs.
+
+Counters (hits, misses, promotions, ...) live in memory while a process runs and are added to the
+index's ``counters`` table when it closes, so ``kvstrata store stats`` in another process shows
+totals over the store's life. L1/L2 are volatile; their last figures are saved with the counters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstrata.codecs import CodecId
+from kvstrata.tiers.base import TierLevel
+
+if TYPE_CHECKING:
+    from kvstrata.store import KVStore
+
+_SNAPSHOT = "stats_snapshot"
+
+
+@dataclass(slots=True)
+class TierStats:
+    tier: str
+    blocks: int
+    used_bytes: int
+    stored_bytes: int
+    budget_bytes: int | None
+    fragmentation_bytes: int
+    hits: int
+    misses: int
+    promotions: int
+    demotions: int
+    rejected: int
+    bytes_by_codec: dict[str, int] = field(default_factory=dict)
+    live: bool = True
+    """False: figures of the last process that closed the store (memory tiers are volatile)."""
+
+
+@dataclass(slots=True)
+class StoreStats:
+    root: str
+    layout: dict[str, int | str]
+    sessions: int
+    tiers: list[TierStats]
+    corrupt_blocks: int
+    lost_blocks: int
+    dropped_dirty: int
+    write_failures: int
+    writer_outage: str | None
+    open_seconds: float
+    snapshot_time: float | None = None
+
+
+def live_tier_stats(store: KVStore) -> list[TierStats]:
+    blocks = store.blocks
+    out = []
+    for tier in (blocks.l1, blocks.l2, blocks.l3):
+        usage = tier.usage()
+        c = blocks.counters.tiers[tier.level]
+        by_codec: dict[str, int] = {}
+        if tier.level is TierLevel.L3:
+            for row in blocks.l3.rows():
+                name = CodecId(row.codec).name.lower()
+                by_codec[name] = by_codec.get(name, 0) + row.nbytes
+        elif tier.level is TierLevel.L2:
+            for entry in blocks.l2._entries.values():
+                name = entry.codec.name.lower()
+                by_codec[name] = by_codec.get(name, 0) + entry.payload_len
+        elif usage.blocks:
+            by_codec["decoded"] = usage.stored_bytes
+        out.append(
+            TierStats(
+                tier.level.name,
+                usage.blocks,
+                usage.used_bytes,
+                usage.stored_bytes,
+                usage.budget_bytes,
+                usage.fragmentation_bytes,
+                c.hits,
+                c.misses,
+                c.promotions,
+                c.demotions,
+                c.rejected,
+                by_codec,
+            )
+        )
+    return out
+
+
+def _load_snapshot(store: KVStore) -> dict:  # type: ignore[type-arg]
+    text = store.index.get_meta(_SNAPSHOT)
+    return json.loads(text) if text else {}
+
+
+def collect(store: KVStore) -> StoreStats:
+    """Live figures of this process, with counters added to the persisted totals."""
+    snapshot = _load_snapshot(store)
+    previous = {t["tier"]: t for t in snapshot.get("tiers", [])}
+    tiers = live_tier_stats(store)
+    for t in tiers:
+        prev = previous.get(t.tier, {})
+        for name in ("hits", "misses", "promotions", "demotions", "rejected"):
+            setattr(t, name, getattr(t, name) + prev.get(name, 0))
+        if t.tier != "L3" and t.blocks == 0 and t.budget_bytes == 0 and prev:
+            # this process runs without memory tiers (the CLI): show the last owner's figures
+            for name in ("blocks", "used_bytes", "stored_bytes", "budget_bytes", "fragmentation_bytes"):
+                setattr(t, name, prev.get(name, 0))
+            t.bytes_by_codec = prev.get("bytes_by_codec", {})
+            t.live = False
+    c = store.blocks.counters
+    totals = snapshot.get("totals", {})
+    return StoreStats(
+        str(store.root),
+        store.layout.describe(),
+        len(store.index.list_sessions()),
+        tiers,
+        c.corrupt_blocks + totals.get("corrupt_blocks", 0),
+        len(store.blocks.l3.lost) + totals.get("lost_blocks", 0),
+        c.dropped_dirty + totals.get("dropped_dirty", 0),
+        c.write_failures + totals.get("write_failures", 0),
+        store.blocks.writer.outage,
+        store.open_seconds,
+        snapshot.get("time"),
+    )
+
+
+def persist(store: KVStore) -> None:
+    """Save totals (and the memory tiers' last figures) into the index at close."""
+    stats = collect(store)
+    owns_memory = store.blocks.l1.budget_bytes > 0 or store.blocks.l2.budget_bytes > 0
+    previous = {t["tier"]: t for t in _load_snapshot(store).get("tiers", [])}
+    tiers = []
+    for t in stats.tiers:
+        data = asdict(t)
+        if not owns_memory and t.tier != "L3" and t.tier in previous:
+            data = {
+                **previous[t.tier],
+                **{k: data[k] for k in ("hits", "misses", "promotions", "demotions", "rejected")},
+            }
+        tiers.append(data)
+    snapshot = {
+        "time": time.time(),
+        "tiers": tiers,
+        "totals": {
+            "corrupt_blocks": stats.corrupt_blocks,
+            "lost_blocks": stats.lost_blocks,
+            "dropped_dirty": stats.dropped_dirty,
+            "write_failures": stats.write_failures,
+        },
+    }
+    store.index.set_meta(_SNAPSHOT, json.dumps(snapshot))

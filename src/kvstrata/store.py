@@ -1,0 +1,321 @@
+"""KVStore: what a user opens. Sessions over the tiered, content-addressed block store.
+
+A store directory holds ``index.sqlite`` (blocks and sessions), ``hot/`` and ``cold/`` block
+files, ``tmp/`` (writes in progress) and ``quarantine/`` (files that failed verification).
+One store serves one KV layout; block keys also carry the model's weight fingerprint and the
+namespace, so blocks are shared only where they are interchangeable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstrata.block import KVBlock
+from kvstrata.config import StoreConfig, default_store_dir
+from kvstrata.errors import ConfigError, SessionExistsError, SessionNotFoundError, TierUnavailableError
+from kvstrata.index import Index
+from kvstrata.keys import BlockKey, chain_key, root_key
+from kvstrata.layout import KVLayout
+from kvstrata.sessions import Priority, Session, SessionInfo, validate_session_id
+from kvstrata.stats import StoreStats
+from kvstrata.tiered import TieredStore
+from kvstrata.tiers.base import TierLevel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedKV:
+    """KV of a session's first ``num_tokens`` tokens, and which tier served each block."""
+
+    kv: torch.Tensor | None
+    num_tokens: int
+    tokens_by_tier: dict[TierLevel, int]
+    missing_from_token: int | None
+
+
+class KVStore:
+    def __init__(
+        self,
+        root: Path | str | None = None,
+        layout: KVLayout | None = None,
+        *,
+        model_fingerprint: bytes = b"",
+        config: StoreConfig | None = None,
+    ) -> None:
+        started = time.perf_counter()
+        self.root = Path(root) if root is not None else default_store_dir()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = config or StoreConfig()
+        self.index = Index(self.root / "index.sqlite", layout)
+        self.layout = self.index.layout
+        self.model_fingerprint = model_fingerprint
+        self.blocks = TieredStore(self.root, self.layout, self.index, self.config)
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self.open_seconds = time.perf_counter() - started
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        from kvstrata import stats
+
+        self.blocks.close()
+        stats.persist(self)
+        self.index.close()
+
+    def stats(self) -> StoreStats:
+        from kvstrata import stats
+
+        return stats.collect(self)
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- keys ------------------------------------------------------------------------------------
+    def root_key(self, namespace: str) -> BlockKey:
+        return root_key(self.model_fingerprint, self.layout, namespace)
+
+    def block_key_chain(self, namespace: str, token_ids: Sequence[int]) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids`` in ``namespace``."""
+        bt = self.layout.block_tokens
+        parent = self.root_key(namespace)
+        keys = []
+        for start in range(0, len(token_ids) - bt + 1, bt):
+            parent = chain_key(parent, token_ids[start : start + bt])
+            keys.append(parent)
+        return keys
+
+    def match_prefix(self, namespace: str, token_ids: Sequence[int]) -> list[BlockKey]:
+        """The longest run of full blocks of ``token_ids`` that the store holds in any tier."""
+        found = []
+        for key in self.block_key_chain(namespace, token_ids):
+            if not self.blocks.contains(key):
+                break
+            found.append(key)
+        return found
+
+    # -- sessions --------------------------------------------------------------------------------
+    def create_session(
+        self,
+        session_id: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        priority: Priority | str = Priority.INTERACTIVE,
+        ttl_s: float | None = None,
+        pinned: bool = False,
+        exist_ok: bool = False,
+    ) -> Session:
+        validate_session_id(session_id)
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError("ttl_s must be positive")
+        existing = self._find(namespace, session_id)
+        if existing is not None:
+            if exist_ok:
+                return existing
+            raise SessionExistsError(f"session {namespace}/{session_id} already exists")
+        session = Session(
+            namespace,
+            session_id,
+            self.model_fingerprint,
+            priority=Priority.parse(priority),
+            ttl_s=ttl_s,
+            pinned=pinned,
+        )
+        self._sessions[(namespace, session_id)] = session
+        self._commit(session)
+        return session
+
+    def _find(self, namespace: str, session_id: str) -> Session | None:
+        session = self._sessions.get((namespace, session_id))
+        if session is None:
+            row = self.index.get_session(namespace, session_id)
+            if row is None:
+                return None
+            session = Session.from_row(row)
+            self._sessions[(namespace, session_id)] = session
+        return session
+
+    def session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Session:
+        session = self._find(namespace, session_id)
+        if session is None:
+            raise SessionNotFoundError(f"no session {session_id!r} in namespace {namespace!r}")
+        return session
+
+    def list_sessions(self, namespace: str | None = None) -> list[SessionInfo]:
+        """Every session (live state where open in this process, else as last checkpointed)."""
+        out = []
+        for row in self.index.list_sessions(namespace):
+            live = self._sessions.get((row[0], row[1]))
+            out.append(live.info() if live is not None else SessionInfo.from_summary(row))
+        return out
+
+    def live_sessions(self) -> list[Session]:
+        """Sessions opened in this process (they may hold blocks newer than their checkpoint)."""
+        return list(self._sessions.values())
+
+    def delete_session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
+        self._sessions.pop((namespace, session_id), None)
+        return self.index.delete_session(namespace, session_id)
+
+    def fork(self, session: Session, child_id: str) -> Session:
+        """A new session sharing ``session``'s blocks (they are immutable: copy-on-write)."""
+        validate_session_id(child_id)
+        if self._find(session.namespace, child_id) is not None:
+            raise SessionExistsError(f"session {session.namespace}/{child_id} already exists")
+        child = Session(
+            session.namespace,
+            child_id,
+            session.model_fingerprint,
+            list(session.token_ids),
+            list(session.block_keys),
+            session.tail_key,
+            session.priority,
+            False,
+            session.ttl_s,
+            parent=session.id,
+        )
+        self._sessions[(child.namespace, child.id)] = child
+        self.checkpoint(child)
+        return child
+
+    # -- writing KV ------------------------------------------------------------------------------
+    def append(self, session: Session, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Add the KV of ``token_ids`` (shape ``(2, L, H, len(token_ids), D)``) to ``session``.
+
+        Full blocks are cut, keyed by their chained content hash and stored (once per namespace,
+        whoever wrote them first); the remainder becomes the session's tail block. A checkpoint
+        is taken every ``checkpoint_every_tokens`` tokens.
+        """
+        new_tokens = [int(t) for t in token_ids]
+        if kv.dim() != 5 or kv.shape[3] != len(new_tokens):
+            raise ConfigError(f"kv must have shape (2, L, H, {len(new_tokens)}, D), got {tuple(kv.shape)}")
+        if not new_tokens:
+            return
+        bt = self.layout.block_tokens
+        tail_tokens = session.tail_tokens(bt)
+        if tail_tokens:
+            tail_kv = self._read_tail(session)
+            kv = torch.cat([tail_kv, kv.to(tail_kv.device)], dim=3)
+        pending_tokens = tail_tokens + new_tokens
+        start_pos = len(session.block_keys) * bt
+        parent = session.block_keys[-1] if session.block_keys else self.root_key(session.namespace)
+        offset = 0
+        while len(pending_tokens) - offset >= bt:
+            chunk = pending_tokens[offset : offset + bt]
+            parent = chain_key(parent, chunk)
+            self._put_block(parent, start_pos + offset, kv[:, :, :, offset : offset + bt])
+            session.block_keys.append(parent)
+            offset += bt
+        rest = pending_tokens[offset:]
+        session.tail_key = None
+        if rest:
+            session.tail_key = chain_key(parent, rest)
+            self._put_block(session.tail_key, start_pos + offset, kv[:, :, :, offset:])
+        session.token_ids.extend(new_tokens)
+        session.last_access = time.time()
+        if session.num_tokens - session.checkpointed_tokens >= self.config.checkpoint_every_tokens:
+            self.checkpoint(session)
+
+    def _put_block(self, key: BlockKey, start_pos: int, kv: torch.Tensor) -> None:
+        tensor = kv.detach().to(self.layout.torch_dtype).contiguous()
+        self.layout.check_block(tensor)
+        self.blocks.put(KVBlock(key, int(tensor.shape[3]), start_pos, tensor))
+
+    def _read_tail(self, session: Session) -> torch.Tensor:
+        assert session.tail_key is not None
+        block = self.blocks.get(session.tail_key)
+        if block is None:
+            raise TierUnavailableError(
+                f"tail block of session {session.id} is lost; truncate it and re-prefill"
+            )
+        return block.decoded(self.layout).clone()
+
+    def truncate(self, session: Session, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens (for an edited history)."""
+        if not 0 <= num_tokens <= session.num_tokens:
+            raise ConfigError(f"cannot truncate {session.num_tokens} tokens to {num_tokens}")
+        if num_tokens == session.num_tokens:
+            return
+        bt = self.layout.block_tokens
+        full = num_tokens // bt
+        keep_tokens = session.token_ids[:num_tokens]
+        partial_kv = None
+        if num_tokens % bt:
+            loaded = self.load(session, num_tokens)
+            if loaded.kv is None or loaded.num_tokens < num_tokens:
+                raise TierUnavailableError(f"session {session.id}: blocks before token {num_tokens} are lost")
+            partial_kv = loaded.kv[:, :, :, full * bt : num_tokens].clone()
+        session.block_keys = session.block_keys[:full]
+        session.token_ids = keep_tokens[: full * bt]
+        session.tail_key = None
+        if partial_kv is not None:
+            self.append(session, keep_tokens[full * bt :], partial_kv)
+
+    # -- reading KV ------------------------------------------------------------------------------
+    def load(self, session: Session, num_tokens: int | None = None) -> LoadedKV:
+        """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor.
+
+        Stops at the first block no tier can serve (lost, corrupt); ``missing_from_token`` then
+        says where, and the caller recomputes from there.
+        """
+        want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
+        bt = self.layout.block_tokens
+        keys = session.all_keys()
+        parts: list[torch.Tensor] = []
+        by_tier: dict[TierLevel, int] = {}
+        got = 0
+        with self.blocks.hold(keys):
+            for i, key in enumerate(keys):
+                if got >= want:
+                    break
+                found = self.blocks.lookup(key)
+                if found is None:
+                    break
+                block, level = found
+                tensor = block.decoded(self.layout)
+                take = min(tensor.shape[3], want - got)
+                if i < len(session.block_keys) and tensor.shape[3] != bt:
+                    break
+                parts.append(tensor[:, :, :, :take])
+                by_tier[level] = by_tier.get(level, 0) + take
+                got += take
+            kv = torch.cat(parts, dim=3) if parts else None  # copies out of the pool while held
+        session.last_access = time.time()
+        return LoadedKV(kv, got, by_tier, None if got >= want else got)
+
+    # -- durability ------------------------------------------------------------------------------
+    def checkpoint(self, session: Session) -> None:
+        """Make the session's blocks durable in L3, then commit its index row (in that order, so
+        a committed session never names a block that is not on disk)."""
+        missing = self.blocks.make_durable(session.all_keys())
+        if missing:
+            raise TierUnavailableError(
+                f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not be "
+                f"written to L3 ({self.blocks.writer.outage or 'not found in any tier'}); the previous "
+                "checkpoint stays valid"
+            )
+        session.version += 1
+        self._commit(session)
+        session.checkpointed_tokens = session.num_tokens
+
+    def _commit(self, session: Session) -> None:
+        self.index.put_session(session.to_row())
+
+    def flush(self) -> None:
+        self.blocks.writer.flush()
+        self.index.flush_access()
+
+
+def token_array(token_ids: Sequence[int]) -> np.ndarray:
+    return np.asarray(token_ids, dtype=np.int64)

@@ -1,0 +1,67 @@
+"""The tier Protocol every tier implements, and the usage figures each reports.
+
+A tier is a keyed store of blocks with a byte budget. ``put`` returning ``False`` is the one
+explicit "no room" result; the store handles it in one place by demoting and retrying.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvstrata.block import KVBlock
+from kvstrata.keys import BlockKey
+
+
+class TierLevel(enum.IntEnum):
+    L1 = 1
+    L2 = 2
+    L3 = 3
+    L4 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    blocks: int
+    used_bytes: int
+    """Bytes the tier's accounting charges (slots in use for pooled tiers)."""
+    stored_bytes: int
+    """Bytes of the blocks themselves; ``used_bytes - stored_bytes`` is internal fragmentation."""
+    budget_bytes: int | None
+
+    @property
+    def fill(self) -> float:
+        if not self.budget_bytes:
+            return 0.0
+        return self.used_bytes / self.budget_bytes
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return self.used_bytes - self.stored_bytes
+
+
+@runtime_checkable
+class Tier(Protocol):
+    level: TierLevel
+
+    def contains(self, key: BlockKey) -> bool: ...
+
+    def get(self, key: BlockKey) -> KVBlock | None: ...
+
+    def put(self, block: KVBlock) -> bool:
+        """Store ``block`` (a no-op returning True if present); False when there is no room."""
+        ...
+
+    def remove(self, key: BlockKey) -> bool: ...
+
+    def keys(self) -> Iterator[BlockKey]: ...
+
+    def block_bytes(self, key: BlockKey) -> int:
+        """Bytes ``key`` is charged in this tier (0 when absent); what evicting it frees."""
+        ...
+
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None: ...

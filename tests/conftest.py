@@ -1,0 +1,57 @@
+"""Small builders shared by the tests: a tiny layout, deterministic blocks, a store factory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata import KVLayout, KVStore, StoreConfig
+from kvstrata.block import KVBlock
+from kvstrata.keys import BlockKey, chain_key, root_key
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4)
+
+
+def make_kv(layout: KVLayout, num_tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.block_shape(num_tokens), generator=gen).to(layout.torch_dtype)
+
+
+def make_block(layout: KVLayout, seed: int, num_tokens: int | None = None) -> KVBlock:
+    n = layout.block_tokens if num_tokens is None else num_tokens
+    key = chain_key(root_key(b"test-model", layout, "default"), [seed] * n)
+    return KVBlock(BlockKey(key), n, 0, tensor=make_kv(layout, n, seed))
+
+
+def token_kv(layout: KVLayout, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
+    """KV that is a pure function of (token, position), like a real prefix's KV."""
+    base = make_kv(layout, 1, 1234).float()
+    tok = torch.tensor(token_ids, dtype=torch.float32).view(1, 1, 1, -1, 1)
+    pos = torch.arange(start_pos, start_pos + len(token_ids), dtype=torch.float32).view(1, 1, 1, -1, 1)
+    return (base * torch.sin(tok * 0.37 + pos * 0.011) + tok * 1e-3).to(layout.torch_dtype)
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return LAYOUT
+
+
+@pytest.fixture
+def open_store(tmp_path: Path) -> Iterator[Callable[..., KVStore]]:
+    opened: list[KVStore] = []
+
+    def factory(root: Path | None = None, layout: KVLayout | None = LAYOUT, **config: object) -> KVStore:
+        store = KVStore(
+            root or tmp_path / "store", layout, model_fingerprint=b"test-model", config=StoreConfig(**config)
+        )  # type: ignore[arg-type]
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        with contextlib.suppress(Exception):  # already closed by the test
+            store.close()

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvstrata import GcConfig, KVStore
+from kvstrata.lifecycle import collect_garbage
+
+from conftest import LAYOUT, make_block, token_kv
+
+Factory = Callable[..., KVStore]
+DAY = 86_400.0
+
+
+def _files(root: Path, sub: str) -> list[Path]:
+    return sorted((root / sub).rglob("*.kvbin"))
+
+
+def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    store = open_store()
+    now = time.time()
+    keep = store.create_session("keep")
+    ttl = store.create_session("ttl", ttl_s=60)
+    pinned = store.create_session("pinned", ttl_s=60, pinned=True)
+    for i, s in enumerate((keep, ttl, pinned)):
+        tokens = [1000 * (i + 1) + t for t in range(6)]
+        store.append(s, tokens, token_kv(LAYOUT, tokens))
+        store.checkpoint(s)
+    stray = make_block(LAYOUT, 42)  # a block no session references
+    store.blocks.put(stray)
+    store.flush()
+    assert len(_files(root, "hot")) == 3 * 2 + 1
+    (root / "hot" / "zz").mkdir()
+    orphan = root / "hot" / "zz" / ("ab" * 32 + ".kvbin")
+    orphan.write_bytes(b"never committed")
+
+    report = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3600)
+    assert report.sessions_deleted == 1  # "ttl" idle for an hour > 60 s; "pinned" survives its TTL
+    assert [s.id for s in store.list_sessions()] == ["keep", "pinned"]
+    assert report.blocks_deleted == 1 + 2  # the stray block, and the expired session's two blocks
+    assert report.orphan_files_removed == 1 and not orphan.exists()
+    assert report.blocks_moved_cold == 0
+
+    report = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3 * DAY)
+    assert report.blocks_moved_cold == 4 and len(_files(root, "cold")) == 4 and not _files(root, "hot")
+    store.close()
+    reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    loaded = reopened.load(reopened.session("keep"))
+    assert loaded.num_tokens == 6 and loaded.missing_from_token is None
+
+    report = collect_garbage(reopened, GcConfig(retention_s=30 * DAY), now=now + 31 * DAY)
+    assert report.sessions_deleted == 1 and [s.id for s in reopened.list_sessions()] == ["pinned"]

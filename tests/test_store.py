@@ -1,0 +1,296 @@
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata import (
+    ConfigError,
+    KVLayout,
+    KVStore,
+    LayoutMismatchError,
+    SessionExistsError,
+    SessionNotFoundError,
+    TierUnavailableError,
+)
+from kvstrata.block import KVBlock
+from kvstrata.tiers.base import TierLevel
+
+from conftest import LAYOUT, make_block, token_kv
+
+Factory = Callable[..., KVStore]
+BLOCK = LAYOUT.bytes_per_block
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "hot").rglob("*.kvbin")) + sorted((root / "cold").rglob("*.kvbin"))
+
+
+@pytest.mark.parametrize("level", [TierLevel.L1, TierLevel.L2, TierLevel.L3])
+def test_random_blocks_round_trip_from_each_tier_and_after_reopen(
+    open_store: Factory, tmp_path: Path, level: TierLevel
+) -> None:
+    """Acceptance 1."""
+    budgets = {TierLevel.L1: (64 * BLOCK, 0), TierLevel.L2: (0, 1 << 20), TierLevel.L3: (0, 0)}[level]
+    store = open_store(l1_budget_bytes=budgets[0], l2_budget_bytes=budgets[1], promote_on_read=False)
+    blocks = [make_block(LAYOUT, seed, num_tokens=1 + seed % 4) for seed in range(20)]
+    for b in blocks:
+        store.blocks.put(b)
+    store.flush()
+    for b in blocks:
+        found = store.blocks.lookup(b.key)
+        assert found is not None
+        got, served_by = found
+        assert served_by is level
+        assert torch.equal(_bits(got.decoded(LAYOUT)), _bits(b.tensor))  # type: ignore[arg-type]
+    store.close()
+    reopened = open_store()
+    for b in blocks:
+        got = reopened.blocks.get(b.key)
+        assert got is not None and torch.equal(_bits(got.decoded(LAYOUT)), _bits(b.tensor))  # type: ignore[arg-type]
+
+
+def test_sessions_append_load_checkpoint_reopen(open_store: Factory, tmp_path: Path) -> None:
+    store = open_store(l1_budget_bytes=8 * BLOCK)
+    session = store.create_session("agent-1", priority="background", ttl_s=3600)
+    tokens = list(range(100, 111))
+    store.append(session, tokens[:5], token_kv(LAYOUT, tokens[:5]))
+    store.append(session, tokens[5:], token_kv(LAYOUT, tokens[5:], 5))
+    assert session.num_tokens == 11 and len(session.block_keys) == 2 and session.tail_key is not None
+    loaded = store.load(session)
+    assert loaded.num_tokens == 11 and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+    store.checkpoint(session)
+    store.close()
+    reopened = open_store()
+    again = reopened.session("agent-1")
+    assert again.token_ids == tokens and again.priority == "background" and again.ttl_s == 3600
+    loaded = reopened.load(again)
+    assert loaded.tokens_by_tier == {TierLevel.L3: 11}
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+    assert reopened.load(again, 6).num_tokens == 6
+
+
+def test_uncheckpointed_tokens_are_not_persisted(open_store: Factory) -> None:
+    store = open_store(checkpoint_every_tokens=8)
+    session = store.create_session("s")
+    store.append(session, list(range(6)), token_kv(LAYOUT, list(range(6))))  # below the checkpoint interval
+    store.append(session, list(range(6, 9)), token_kv(LAYOUT, list(range(6, 9)), 6))  # 9 >= 8: checkpoint
+    store.append(session, [9], token_kv(LAYOUT, [9], 9))
+    store.close()
+    assert open_store().session("s").token_ids == list(range(9))
+
+
+def test_session_errors(open_store: Factory) -> None:
+    store = open_store()
+    store.create_session("a")
+    with pytest.raises(SessionExistsError):
+        store.create_session("a")
+    assert store.create_session("a", exist_ok=True).id == "a"
+    with pytest.raises(SessionNotFoundError):
+        store.session("nope")
+    with pytest.raises(SessionNotFoundError):
+        store.session("a", namespace="other")
+    for bad in ("", "a/b", "x" * 300):
+        with pytest.raises(ConfigError):
+            store.create_session(bad)
+    with pytest.raises(ConfigError):
+        store.create_session("b", priority="urgent")
+    with pytest.raises(ConfigError):
+        store.append(store.session("a"), [1, 2], torch.zeros(LAYOUT.block_shape(3)))
+
+
+def test_deduplication_within_and_across_namespaces(open_store: Factory, tmp_path: Path) -> None:
+    """Acceptance 2: a shared 1000-token prefix is stored once per namespace (counted on disk)."""
+    layout = KVLayout(2, 2, 8, "float32", 64)
+    store = open_store(layout=layout)
+    prefix = list(range(1000))
+    full_prefix_blocks = 1000 // 64
+    for namespace, sid, suffix in [
+        ("ns-a", "one", [7, 7, 7]),
+        ("ns-a", "two", [8, 8]),
+        ("ns-b", "three", [9]),
+    ]:
+        session = store.create_session(sid, namespace)
+        tokens = prefix + suffix
+        store.append(session, tokens, token_kv(layout, tokens))
+        store.checkpoint(session)
+    store.flush()
+    files = _files(tmp_path / "store")
+    # ns-a: 15 shared full blocks + 2 distinct tails; ns-b: its own 15 blocks + 1 tail
+    assert len(files) == 2 * full_prefix_blocks + 3
+    a1, a2 = store.session("one", "ns-a"), store.session("two", "ns-a")
+    assert a1.block_keys == a2.block_keys and a1.tail_key != a2.tail_key
+    assert not set(a1.block_keys) & set(store.session("three", "ns-b").block_keys)
+    assert store.match_prefix("ns-a", prefix) == a1.block_keys
+    assert store.match_prefix("ns-c", prefix) == []
+
+
+def test_fork_shares_blocks_copy_on_write(open_store: Factory, tmp_path: Path) -> None:
+    store = open_store()
+    parent = store.create_session("parent")
+    tokens = list(range(10))
+    store.append(parent, tokens, token_kv(LAYOUT, tokens))
+    child = store.fork(parent, "child")
+    assert child.block_keys == parent.block_keys and child.parent == "parent"
+    store.append(child, [50, 51], token_kv(LAYOUT, [50, 51], 10))
+    store.append(parent, [60], token_kv(LAYOUT, [60], 10))
+    store.checkpoint(parent)
+    store.checkpoint(child)
+    assert torch.equal(store.load(parent).kv, token_kv(LAYOUT, [*tokens, 60]))  # type: ignore[arg-type]
+    assert torch.equal(store.load(child).kv, token_kv(LAYOUT, [*tokens, 50, 51]))  # type: ignore[arg-type]
+    store.flush()
+    # 2 shared full blocks; parent tail (8,9,60); child's 3rd block (8,9,50,51) is full
+    assert len(_files(tmp_path / "store")) == 2 + 1 + 1 + 1  # + the tail (8, 9) written before the fork
+
+
+def test_truncate_for_edited_history(open_store: Factory) -> None:
+    store = open_store()
+    session = store.create_session("s")
+    tokens = list(range(20, 31))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.truncate(session, 6)
+    assert session.token_ids == tokens[:6] and len(session.block_keys) == 1
+    store.append(session, [99, 98], token_kv(LAYOUT, [99, 98], 6))
+    expected = torch.cat([token_kv(LAYOUT, tokens[:6]), token_kv(LAYOUT, [99, 98], 6)], dim=3)
+    assert torch.equal(store.load(session).kv, expected)  # type: ignore[arg-type]
+
+
+def test_reopen_with_another_layout_is_a_clear_error(open_store: Factory, tmp_path: Path) -> None:
+    open_store().close()
+    with pytest.raises(LayoutMismatchError, match="layout"):
+        KVStore(tmp_path / "store", KVLayout(2, 2, 16, "float32", 4))
+    assert KVStore(tmp_path / "store").layout == LAYOUT  # no layout given: the recorded one
+
+
+def test_budgets_hold_under_a_long_write_stream(open_store: Factory) -> None:
+    """Acceptance 6: small L1/L2 budgets are never exceeded; demoted blocks read from below."""
+    l1_budget, l2_budget = 6 * BLOCK, 3 * (BLOCK + 4096 + 64)
+    store = open_store(
+        l1_budget_bytes=l1_budget,
+        l2_budget_bytes=l2_budget,
+        write_policy="write-back",
+        checkpoint_every_tokens=10_000,
+    )
+    session = store.create_session("long")
+    peak = {TierLevel.L1: 0, TierLevel.L2: 0}
+    for step in range(60):
+        tokens = list(range(step * 3, step * 3 + 3))
+        store.append(session, tokens, token_kv(LAYOUT, tokens, step * 3))
+        for tier in (store.blocks.l1, store.blocks.l2):
+            used = tier.usage().used_bytes
+            assert used <= tier.budget_bytes
+            peak[tier.level] = max(peak[tier.level], used)
+    assert peak[TierLevel.L1] > 0 and peak[TierLevel.L2] > 0
+    counters = store.blocks.counters.tiers
+    assert counters[TierLevel.L1].demotions > 0 and counters[TierLevel.L2].demotions > 0
+    store.checkpoint(session)
+    loaded = store.load(session)
+    assert loaded.num_tokens == 180 and loaded.tokens_by_tier.get(TierLevel.L3, 0) > 0
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, list(range(180))))  # type: ignore[arg-type]
+
+
+def test_blocks_in_use_are_not_demoted(open_store: Factory) -> None:
+    store = open_store(l1_budget_bytes=2 * BLOCK, l2_budget_bytes=0)
+    first = make_block(LAYOUT, 1)
+    store.blocks.put(first)
+    with store.blocks.hold([first.key]):
+        view = store.blocks.get(first.key)
+        for seed in range(2, 8):
+            store.blocks.put(make_block(LAYOUT, seed))
+        assert store.blocks.l1.contains(first.key)
+        assert torch.equal(view.tensor, first.tensor)  # type: ignore[union-attr,arg-type]
+
+
+def test_corrupt_file_is_quarantined_and_treated_as_missing(open_store: Factory, tmp_path: Path) -> None:
+    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    block = make_block(LAYOUT, 3)
+    store.blocks.put(block)
+    store.flush()
+    (path,) = _files(tmp_path / "store")
+    data = bytearray(path.read_bytes())
+    data[200] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert store.blocks.get(block.key) is None
+    assert store.blocks.counters.corrupt_blocks == 1
+    assert not path.exists() and len(list((tmp_path / "store" / "quarantine").iterdir())) == 1
+    assert not store.blocks.contains(block.key)
+    assert store.stats().corrupt_blocks == 1
+
+
+def test_missing_file_is_lost_not_a_crash(open_store: Factory, tmp_path: Path) -> None:
+    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    session = store.create_session("s")
+    store.append(session, list(range(9)), token_kv(LAYOUT, list(range(9))))
+    store.checkpoint(session)
+    store.close()
+    victim = _files(tmp_path / "store")[0]
+    victim.unlink()
+    reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    loaded = reopened.load(reopened.session("s"))
+    assert loaded.missing_from_token is not None and loaded.num_tokens < 9
+    assert len(reopened.blocks.l3.lost) == 1
+
+
+def test_disk_full_is_reported_once_and_writing_resumes(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Acceptance 7: ENOSPC by fault injection; consistent store, served from memory, then resume."""
+    store = open_store(l1_budget_bytes=16 * BLOCK)
+    session = store.create_session("s")
+    store.append(session, list(range(8)), token_kv(LAYOUT, list(range(8))))
+    store.checkpoint(session)
+    real_write = os.write
+    disk_full = True
+
+    def failing_write(fd: int, data: bytes) -> int:
+        if disk_full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_write)
+    tokens = list(range(8, 20))
+    with caplog.at_level("ERROR"):
+        store.append(session, tokens, token_kv(LAYOUT, tokens, 8))
+        with pytest.raises(TierUnavailableError, match="previous checkpoint stays valid"):
+            store.checkpoint(session)
+        with pytest.raises(TierUnavailableError):
+            store.checkpoint(session)
+    assert sum("background write failed" in r.message for r in caplog.records) == 1  # reported once
+    assert store.blocks.failing()
+    assert not list((store.root / "tmp").iterdir())  # no half-written files left behind
+    # still served from memory, exactly
+    assert torch.equal(store.load(session).kv, token_kv(LAYOUT, list(range(20))))  # type: ignore[arg-type]
+    # the index still holds the last good checkpoint
+    assert store.index.get_session("default", "s").num_tokens == 8  # type: ignore[union-attr]
+    disk_full = False
+    store.checkpoint(session)  # space is back: the dirty blocks are written, the checkpoint commits
+    assert not store.blocks.failing()
+    store.close()
+    reopened = open_store()
+    assert torch.equal(reopened.load(reopened.session("s")).kv, token_kv(LAYOUT, list(range(20))))  # type: ignore[arg-type]
+
+
+def test_background_writer_bandwidth_cap_and_backpressure(open_store: Factory) -> None:
+    store = open_store(writer_queue_bytes=2 * BLOCK, writer_bandwidth_bytes_per_s=50 * BLOCK)
+    for seed in range(10):
+        store.blocks.put(make_block(LAYOUT, seed))
+    store.flush()
+    assert store.blocks.writer.written_blocks == 10
+    assert store.blocks.l3.usage().blocks == 10
+
+
+def test_put_of_known_block_is_deduplicated(open_store: Factory) -> None:
+    store = open_store()
+    block = make_block(LAYOUT, 1)
+    store.blocks.put(block)
+    store.blocks.put(KVBlock(block.key, block.num_tokens, 0, tensor=block.tensor.clone()))  # type: ignore[union-attr]
+    store.flush()
+    assert store.blocks.writer.written_blocks == 1

@@ -1,0 +1,131 @@
+"""One conformance suite every tier passes (acceptance: same behaviour behind one Protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata import KVLayout
+from kvstrata.index import Index
+from kvstrata.tiers.base import Tier
+from kvstrata.tiers.device import DeviceTier
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.host import HostTier
+from kvstrata.tiers.memory import MemoryTier
+
+from conftest import LAYOUT, make_block
+
+CAPACITY_BLOCKS = 4
+TierFactory = Callable[[], Tier]
+
+
+def _memory(tmp: Path) -> Tier:
+    return MemoryTier(budget_bytes=CAPACITY_BLOCKS * LAYOUT.bytes_per_block)
+
+
+def _device(tmp: Path) -> Tier:
+    return DeviceTier(LAYOUT, CAPACITY_BLOCKS * LAYOUT.bytes_per_block)
+
+
+def _host(tmp: Path) -> Tier:
+    tier = HostTier(LAYOUT, 0)
+    return HostTier(LAYOUT, CAPACITY_BLOCKS * tier.page_bytes)
+
+
+def _disk(tmp: Path) -> Tier:
+    index = Index(tmp / "index.sqlite", LAYOUT)
+    return DiskTier(tmp, LAYOUT, index, budget_bytes=CAPACITY_BLOCKS * (LAYOUT.bytes_per_block + 96))
+
+
+@pytest.fixture(params=[_memory, _device, _host, _disk], ids=["memory", "L1-device", "L2-host", "L3-disk"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    t = request.param(tmp_path)
+    yield t
+    t.close()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_put_get_round_trip_is_bit_exact(tier: Tier) -> None:
+    block = make_block(LAYOUT, 1)
+    block.tensor[0, 0, 0, 0, 0] = float("nan")  # type: ignore[index]
+    block.tensor[0, 0, 0, 0, 1] = -0.0  # type: ignore[index]
+    assert tier.put(block)
+    got = tier.get(block.key)
+    assert got is not None and got.key == block.key and got.num_tokens == LAYOUT.block_tokens
+    assert torch.equal(_bits(got.decoded(LAYOUT)), _bits(block.tensor))  # type: ignore[arg-type]
+
+
+def test_partial_block_keeps_its_token_count(tier: Tier) -> None:
+    block = make_block(LAYOUT, 2, num_tokens=3)
+    assert tier.put(block)
+    got = tier.get(block.key)
+    assert got is not None and got.num_tokens == 3
+    assert torch.equal(got.decoded(LAYOUT), block.tensor)  # type: ignore[arg-type]
+
+
+def test_miss_is_none_and_contains_tracks_membership(tier: Tier) -> None:
+    block = make_block(LAYOUT, 3)
+    assert tier.get(block.key) is None
+    assert not tier.contains(block.key)
+    assert tier.put(block)
+    assert tier.contains(block.key)
+    assert list(tier.keys()) == [block.key]
+    assert tier.remove(block.key)
+    assert not tier.remove(block.key)
+    assert tier.get(block.key) is None and not tier.contains(block.key)
+
+
+def test_put_is_idempotent(tier: Tier) -> None:
+    block = make_block(LAYOUT, 4)
+    assert tier.put(block) and tier.put(block)
+    assert tier.usage().blocks == 1
+
+
+def test_usage_and_budget(tier: Tier) -> None:
+    assert tier.usage().blocks == 0 and tier.usage().used_bytes == 0
+    blocks = []
+    for i in range(10_000):  # fill until the tier says "no room"
+        block = make_block(LAYOUT, 10 + i)
+        if not tier.put(block):
+            rejected = block
+            break
+        blocks.append(block)
+        usage = tier.usage()
+        assert usage.budget_bytes is not None and usage.used_bytes <= usage.budget_bytes
+    else:
+        pytest.fail("a tier with a budget never said it was full")
+    assert len(blocks) >= CAPACITY_BLOCKS
+    usage = tier.usage()
+    assert usage.blocks == len(blocks)
+    assert usage.stored_bytes >= len(blocks) * LAYOUT.bytes_per_block
+    assert tier.block_bytes(blocks[0].key) > 0 and tier.block_bytes(rejected.key) == 0
+    # the explicit "no room" answer stored nothing and disturbed nothing
+    assert not tier.contains(rejected.key)
+    assert tier.remove(blocks[0].key)
+    assert tier.put(rejected)
+    for b in blocks[1:]:
+        got = tier.get(b.key)
+        assert got is not None and torch.equal(got.decoded(LAYOUT), b.tensor)  # type: ignore[arg-type]
+
+
+def test_other_dtypes(tmp_path: Path) -> None:
+    for dtype in ("float16", "bfloat16"):
+        layout = KVLayout(2, 2, 8, dtype, 4)
+        tiers: list[Tier] = [
+            DeviceTier(layout, layout.bytes_per_block * 2),
+            HostTier(layout, 1 << 20),
+            DiskTier(tmp_path / dtype, layout, Index(tmp_path / f"{dtype}.sqlite", layout)),
+        ]
+        block = make_block(layout, 5)
+        for t in tiers:
+            assert t.put(block)
+            got = t.get(block.key)
+            assert got is not None
+            assert torch.equal(got.decoded(layout).view(torch.int16), block.tensor.view(torch.int16))  # type: ignore[union-attr]
+            t.close()
