@@ -65,9 +65,8 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
             key = BlockKey(bytes.fromhex(path.name.removesuffix(".kvbin")))
         except ValueError:
             key = BlockKey(b"")
-        row = l3.row(key)
         # a file the index does not name (or names in the other directory) was never committed
-        if (row is None or row.cold != cold) and not store.blocks.writer.is_pending(key):
+        if l3.is_cold(key) != cold and not store.blocks.writer.is_pending(key):
             path.unlink(missing_ok=True)
             orphans += 1
     return GcReport(

@@ -62,9 +62,8 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
         c = blocks.counters.tiers[tier.level]
         by_codec: dict[str, int] = {}
         if tier.level is TierLevel.L3:
-            for row in blocks.l3.rows():
-                name = CodecId(row.codec).name.lower()
-                by_codec[name] = by_codec.get(name, 0) + row.nbytes
+            for codec, nbytes in blocks.l3.bytes_by_codec().items():
+                by_codec[CodecId(codec).name.lower()] = nbytes
         elif tier.level is TierLevel.L2:
             for entry in blocks.l2._entries.values():
                 name = entry.codec.name.lower()

@@ -270,8 +270,17 @@ class KVStore:
         says where, and the caller recomputes from there.
         """
         want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
+        session.last_access = time.time()
+        return self.load_blocks(session.all_keys(), want, full_blocks=len(session.block_keys))
+
+    def load_blocks(
+        self, keys: Sequence[BlockKey], num_tokens: int | None = None, *, full_blocks: int | None = None
+    ) -> LoadedKV:
+        """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
+        tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks."""
         bt = self.layout.block_tokens
-        keys = session.all_keys()
+        full = len(keys) if full_blocks is None else full_blocks
+        want = len(keys) * bt if num_tokens is None else num_tokens
         parts: list[torch.Tensor] = []
         by_tier: dict[TierLevel, int] = {}
         got = 0
@@ -284,14 +293,13 @@ class KVStore:
                     break
                 block, level = found
                 tensor = block.decoded(self.layout)
-                take = min(tensor.shape[3], want - got)
-                if i < len(session.block_keys) and tensor.shape[3] != bt:
+                if i < full and tensor.shape[3] != bt:
                     break
+                take = min(tensor.shape[3], want - got)
                 parts.append(tensor[:, :, :, :take])
                 by_tier[level] = by_tier.get(level, 0) + take
                 got += take
             kv = torch.cat(parts, dim=3) if parts else None  # copies out of the pool while held
-        session.last_access = time.time()
         return LoadedKV(kv, got, by_tier, None if got >= want else got)
 
     # -- durability ------------------------------------------------------------------------------

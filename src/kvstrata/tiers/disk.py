@@ -60,14 +60,12 @@ class DiskTier:
         for d in (root / "hot", root / "cold", self.tmp_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._rows: dict[BlockKey, BlockRow] = {}
-        self._used = 0
         self.lost: set[BlockKey] = set()
         self.corrupt_count = 0
         self.removed_temp_files = self._remove_temp_files()
-        for row in index.iter_blocks():
-            self._rows[row.key] = row
-            self._used += row.nbytes
+        # key -> (cold, nbytes, codec); full rows (access times) stay in SQLite until needed
+        self._rows: dict[BlockKey, tuple[bool, int, int]] = index.block_placements()
+        self._used = sum(nbytes for _, nbytes, _ in self._rows.values())
 
     def _remove_temp_files(self) -> int:
         # A temp file is a write that never reached its rename: never visible, safe to drop.
@@ -85,18 +83,21 @@ class DiskTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._rows
 
-    def row(self, key: BlockKey) -> BlockRow | None:
-        return self._rows.get(key)
+    def is_cold(self, key: BlockKey) -> bool | None:
+        """Whether the block's file is in ``cold/``; None when the block is not in L3."""
+        placement = self._rows.get(key)
+        return placement[0] if placement is not None else None
 
     def get(self, key: BlockKey) -> KVBlock | None:
-        row = self._rows.get(key)
-        if row is None:
+        placement = self._rows.get(key)
+        if placement is None:
             return None
-        path = self.path_for(key, row.cold)
+        cold = placement[0]
+        path = self.path_for(key, cold)
         try:
             with open(path, "rb") as f:
                 data = f.read()
-                if row.cold:
+                if cold:
                     _drop_page_cache(f.fileno())
         except FileNotFoundError:
             self._forget(key)
@@ -112,10 +113,7 @@ class DiskTier:
         except CorruptBlockError:
             self.quarantine(key, path)
             raise
-        now = time.time()
-        row.last_access = now
-        row.access_count += 1
-        self.index.note_access(key, now, row.access_count)
+        self.index.note_access(key, time.time())
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded)
 
     def put(self, block: KVBlock) -> bool:
@@ -155,27 +153,27 @@ class DiskTier:
         # Only now, with the file durable under its final name, does the index learn of it.
         self.index.put_block(row)
         with self._lock:
-            self._rows[block.key] = row
+            self._rows[block.key] = (False, row.nbytes, row.codec)
             self._used += row.nbytes
         self.lost.discard(block.key)
         return True
 
     def _forget(self, key: BlockKey) -> None:
         with self._lock:
-            row = self._rows.pop(key, None)
-            if row is not None:
-                self._used -= row.nbytes
-        if row is not None:
+            placement = self._rows.pop(key, None)
+            if placement is not None:
+                self._used -= placement[1]
+        if placement is not None:
             self.index.delete_blocks([key])
 
     def remove(self, key: BlockKey) -> bool:
-        row = self._rows.get(key)
-        if row is None:
+        cold = self.is_cold(key)
+        if cold is None:
             return False
         # Index first: a crash between the two leaves an unindexed file (an orphan gc removes),
         # never an index row without its file.
         self._forget(key)
-        self.path_for(key, row.cold).unlink(missing_ok=True)
+        self.path_for(key, cold).unlink(missing_ok=True)
         return True
 
     def quarantine(self, key: BlockKey, path: Path) -> None:
@@ -190,10 +188,10 @@ class DiskTier:
 
     def set_cold(self, key: BlockKey, cold: bool) -> bool:
         """Move a block's file between ``hot/`` and ``cold/`` (rename, then index)."""
-        row = self._rows.get(key)
-        if row is None or row.cold == cold:
+        placement = self._rows.get(key)
+        if placement is None or placement[0] == cold:
             return False
-        src, dst = self.path_for(key, row.cold), self.path_for(key, cold)
+        src, dst = self.path_for(key, placement[0]), self.path_for(key, cold)
         dst.parent.mkdir(exist_ok=True)
         try:
             os.replace(src, dst)
@@ -209,18 +207,26 @@ class DiskTier:
             finally:
                 os.close(fd)
         self.index.set_cold(key, cold)
-        row.cold = cold
+        self._rows[key] = (cold, placement[1], placement[2])
         return True
 
     def keys(self) -> Iterator[BlockKey]:
         return iter(list(self._rows))
 
     def block_bytes(self, key: BlockKey) -> int:
-        row = self._rows.get(key)
-        return row.nbytes if row is not None else 0
+        placement = self._rows.get(key)
+        return placement[1] if placement is not None else 0
+
+    def bytes_by_codec(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for _, nbytes, codec in self._rows.values():
+            out[codec] = out.get(codec, 0) + nbytes
+        return out
 
     def rows(self) -> list[BlockRow]:
-        return list(self._rows.values())
+        """Full index rows (access times included) of every block, read from the index."""
+        self.index.flush_access()
+        return list(self.index.iter_blocks())
 
     def stored_payload_bytes(self) -> int:
         return self._used - len(self._rows) * (HEADER_BYTES + TRAILER_BYTES)
