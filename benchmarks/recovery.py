@@ -32,7 +32,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", blo
 
 
 def build(root: Path, sessions: int, blocks: int) -> None:
-    store = KVStore(root, LAYOUT, model_fingerprint=b"bench", config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0))
+    store = KVStore(
+        root, LAYOUT, model_fingerprint=b"bench", config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)
+    )
     per_session = blocks // sessions
     payload = bytes(LAYOUT.bytes_per_block)
     rng = np.random.default_rng(0)
@@ -45,7 +47,9 @@ def build(root: Path, sessions: int, blocks: int) -> None:
         for b in range(per_session):
             parent = chain_key(parent, tokens[b * 64 : (b + 1) * 64])
             keys.append(parent)
-            record = encode_record(parent, EncodedBlock(CodecId.IDENTITY, b"", payload, 64), LAYOUT.fingerprint)
+            record = encode_record(
+                parent, EncodedBlock(CodecId.IDENTITY, b"", payload, 64), LAYOUT.fingerprint
+            )
             path = store.blocks.l3.path_for(parent)
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(record)
@@ -63,12 +67,16 @@ def measure_once(root: Path) -> float:
         f"t = time.perf_counter(); s = KVStore({str(root)!r}); d = time.perf_counter() - t;"
         "assert s.blocks.l3.usage().blocks > 0; print(d, s.blocks.l3.usage().blocks, len(s.list_sessions()))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     return float(out[0])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=50_000)
@@ -78,13 +86,21 @@ def main() -> None:
     if not (root / "index.sqlite").exists():
         t = time.perf_counter()
         build(root, args.sessions, args.blocks)
-        print(f"built {args.blocks} blocks / {args.sessions} sessions in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        print(
+            f"built {args.blocks} blocks / {args.sessions} sessions in {time.perf_counter() - t:.1f} s",
+            file=sys.stderr,
+        )
     # leave a few temp files as a crashed writer would
     for i in range(3):
         (root / "tmp" / f"crashed-{i}.tmp").write_bytes(os.urandom(128))
     times = [measure_once(root) for _ in range(args.repeats)]
-    result = {"sessions": args.sessions, "blocks": args.blocks, "open_seconds": times,
-              "median_s": statistics.median(times), "max_s": max(times)}
+    result = {
+        "sessions": args.sessions,
+        "blocks": args.blocks,
+        "open_seconds": times,
+        "median_s": statistics.median(times),
+        "max_s": max(times),
+    }
     print(json.dumps(result, indent=2))
 
 

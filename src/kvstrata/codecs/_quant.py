@@ -1,0 +1,84 @@
+"""Asymmetric min/max quantization over a tensor's last axis, and packing of 2/4/8-bit codes.
+
+The zero point (the group minimum) is rounded down to fp16 and the scale is then rounded up to
+fp16, both before the codes are computed. Every value of a group therefore lies inside
+``[zero, zero + levels * scale]`` of the *stored* fp16 numbers, nothing is clipped, and the
+reconstruction error of each value is at most ``scale / 2`` (plus float32 arithmetic rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.codecs.base import tensor_bytes
+from kvstrata.errors import CodecError
+
+SCALE_BYTES = 2  # scales and zero points are float16
+
+
+@dataclass(frozen=True, slots=True)
+class Quantized:
+    codes: torch.Tensor  # uint8 in [0, 2**bits), the input's shape
+    scale: torch.Tensor  # float16, the input's shape without its last axis
+    zero: torch.Tensor  # float16, same shape as scale
+
+
+def _fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
+    """``x`` (float32) rounded to fp16 toward ``direction`` (-inf or +inf), never to nearest."""
+    half = x.to(torch.float16)
+    overshot = half.float() > x if direction < 0 else half.float() < x
+    return torch.where(overshot, torch.nextafter(half, torch.full_like(half, direction)), half)
+
+
+def quantize(x: torch.Tensor, bits: int, codec_name: str) -> Quantized:
+    """Quantize float32 ``x`` with one (scale, zero) per slice along the last axis."""
+    levels = (1 << bits) - 1
+    zero = _fp16_toward(x.amin(dim=-1), float("-inf"))
+    scale = _fp16_toward((x.amax(dim=-1) - zero.float()) / levels, float("inf"))
+    if not (bool(torch.isfinite(zero).all()) and bool(torch.isfinite(scale).all())):
+        raise CodecError(f"{codec_name}: block values exceed the fp16 range of scales and zero points")
+    scale32 = scale.float().unsqueeze(-1)
+    # A zero scale means the group is constant and equal to its zero point: every code is 0.
+    divisor = torch.where(scale32 > 0, scale32, torch.ones_like(scale32))
+    codes = torch.round((x - zero.float().unsqueeze(-1)) / divisor).clamp_(0, levels).to(torch.uint8)
+    return Quantized(codes, scale, zero)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float32 ``codes * scale + zero``, with scale and zero broadcast along the last axis."""
+    return torch.addcmul(zero.float().unsqueeze(-1), codes.float(), scale.float().unsqueeze(-1))
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    per_byte = 8 // bits
+    return -(-count // per_byte)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
+    """Codes packed little-end first: code ``i`` of a byte sits at bits ``[i*bits, (i+1)*bits)``."""
+    flat = codes.reshape(-1).to("cpu")
+    per_byte = 8 // bits
+    pad = (-flat.numel()) % per_byte
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    lanes = flat.reshape(-1, per_byte)
+    packed = lanes[:, 0].clone()
+    for lane in range(1, per_byte):  # at most 4 lanes: a loop over bit positions, not elements
+        packed |= lanes[:, lane] << (bits * lane)
+    return tensor_bytes(packed)
+
+
+def unpack_codes(data: bytes | bytearray | memoryview, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of ``data`` as a uint8 tensor; ``data`` must be exactly packed."""
+    raw = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if len(data)
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    if bits == 8:
+        return raw[:count]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    lanes = (raw.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return lanes.reshape(-1)[:count]

@@ -1,0 +1,87 @@
+"""``int8``: asymmetric per-group 8-bit quantization along head_dim, fp16 scale and zero per group.
+
+Keys and values are treated alike: each run of ``group_size`` consecutive head_dim channels of one
+(kv, layer, head, token) gets its own min/max range. The group is ``min(group_size, head_dim)`` and
+must divide head_dim. Max error per value is ``scale / 2`` of its group (see ``_quant``); on fp32
+KV with group 64 the payload is ``1 + 4/64`` bytes per value, a 3.76x ratio.
+
+Params (version 1): ``<B B H``: version, source dtype code, group size.
+Payload: codes (uint8, block order), then scales (fp16), then zero points (fp16), one per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvstrata.codecs._bytes import (
+    U16_MAX,
+    ParamsRecord,
+    check_block_tensor,
+    check_finite,
+    check_num_tokens,
+    dtype_code,
+    dtype_from_code,
+    expect_length,
+    numel,
+    require_int,
+    split_payload,
+)
+from kvstrata.codecs._quant import SCALE_BYTES, dequantize, quantize
+from kvstrata.codecs.base import (
+    DEFAULT_CONTEXT,
+    BlockContext,
+    CodecId,
+    EncodedBlock,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from kvstrata.errors import CodecError, CorruptBlockError
+from kvstrata.layout import KVLayout
+
+_PARAMS = ParamsRecord("int8", 1, "BH")
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Codec:
+    codec_id: ClassVar[CodecId] = CodecId.INT8
+    name: ClassVar[str] = "int8"
+    lossless: ClassVar[bool] = False
+
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        require_int("Int8Codec", "group_size", self.group_size, 1, U16_MAX)
+
+    def encode(self, kv: torch.Tensor, ctx: BlockContext = DEFAULT_CONTEXT) -> EncodedBlock:
+        check_block_tensor(kv, self.name)
+        head_dim = kv.shape[4]
+        group = min(self.group_size, head_dim)
+        if head_dim % group:
+            raise CodecError(f"int8 group size {group} does not divide head_dim {head_dim}")
+        x = kv.float()
+        check_finite(x, self.name)
+        q = quantize(x.reshape(-1, group), 8, self.name)
+        payload = tensor_bytes(q.codes) + tensor_bytes(q.scale) + tensor_bytes(q.zero)
+        return EncodedBlock(
+            self.codec_id, _PARAMS.pack(dtype_code(kv.dtype), group), payload, int(kv.shape[3])
+        )
+
+    def decode(self, block: EncodedBlock, layout: KVLayout) -> torch.Tensor:
+        source_code, group = _PARAMS.unpack(block.params)
+        dtype_from_code(source_code, self.name)
+        shape = check_num_tokens(block, layout, self.name)
+        if group == 0 or layout.head_dim % group:
+            raise CorruptBlockError(f"int8 group size {group} does not divide head_dim {layout.head_dim}")
+        count = numel(shape)
+        groups = count // group
+        expect_length("payload", len(block.payload), count + 2 * groups * SCALE_BYTES, self.name)
+        code_chunk, scale_chunk, zero_chunk = split_payload(
+            block.payload, [count, *[groups * SCALE_BYTES] * 2]
+        )
+        codes = tensor_from_bytes(code_chunk, torch.uint8, (groups, group))
+        scale = tensor_from_bytes(scale_chunk, torch.float16, (groups,))
+        zero = tensor_from_bytes(zero_chunk, torch.float16, (groups,))
+        return dequantize(codes, scale, zero).reshape(shape).to(layout.torch_dtype)

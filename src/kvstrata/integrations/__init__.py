@@ -1,0 +1,1 @@
+"""Bridges between kvstrata and inference frameworks (transformers, vLLM)."""
