@@ -12,9 +12,11 @@ from kvstrata import (
     ConfigError,
     KVLayout,
     KVStore,
+    KVStrataError,
     LayoutMismatchError,
     SessionExistsError,
     SessionNotFoundError,
+    StoreBusyError,
     TierUnavailableError,
 )
 from kvstrata.block import KVBlock
@@ -167,7 +169,28 @@ def test_reopen_with_another_layout_is_a_clear_error(open_store: Factory, tmp_pa
     open_store().close()
     with pytest.raises(LayoutMismatchError, match="layout"):
         KVStore(tmp_path / "store", KVLayout(2, 2, 16, "float32", 4))
-    assert KVStore(tmp_path / "store").layout == LAYOUT  # no layout given: the recorded one
+    with KVStore(tmp_path / "store") as reopened:
+        assert reopened.layout == LAYOUT  # no layout given: the recorded one
+
+
+def test_one_writer_at_a_time_and_safe_read_only_opens(open_store: Factory, tmp_path: Path) -> None:
+    owner = open_store()
+    session = owner.create_session("live")
+    owner.append(session, list(range(6)), token_kv(LAYOUT, list(range(6))))
+    owner.checkpoint(session)
+    in_flight = tmp_path / "store" / "tmp" / "write-in-progress.tmp"
+    in_flight.write_bytes(b"a live writer's temp file")
+    with pytest.raises(StoreBusyError, match="another process"):
+        KVStore(tmp_path / "store")
+    with KVStore(tmp_path / "store", read_only=True) as reader:
+        assert [s.id for s in reader.list_sessions()] == ["live"]
+        assert torch.equal(reader.load(reader.session("live")).kv, token_kv(LAYOUT, list(range(6))))  # type: ignore[arg-type]
+        with pytest.raises(KVStrataError, match="read-only"):
+            reader.create_session("other")
+    assert in_flight.exists()  # the reader left the owner's write alone
+    owner.close()
+    with KVStore(tmp_path / "store") as next_owner:  # the lock is released on close
+        assert next_owner.blocks.l3.removed_temp_files == 1
 
 
 def test_budgets_hold_under_a_long_write_stream(open_store: Factory) -> None:

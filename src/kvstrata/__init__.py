@@ -9,6 +9,7 @@ from kvstrata.errors import (
     LayoutMismatchError,
     SessionExistsError,
     SessionNotFoundError,
+    StoreBusyError,
     StoreFormatError,
     TierUnavailableError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "SessionExistsError",
     "SessionInfo",
     "SessionNotFoundError",
+    "StoreBusyError",
     "StoreConfig",
     "StoreFormatError",
     "TierUnavailableError",

@@ -26,6 +26,10 @@ class StoreFormatError(KVStrataError):
     """A store directory or index is foreign, from an unknown format version, or unreadable."""
 
 
+class StoreBusyError(KVStrataError):
+    """Another process has the store open for writing."""
+
+
 class CorruptBlockError(KVStrataError):
     """A block record failed validation (magic, version, length, CRC, key or layout)."""
 

@@ -94,10 +94,23 @@ _SESSION_COLUMNS = (
 
 
 class Index:
-    def __init__(self, path: Path, layout: KVLayout | None) -> None:
+    def __init__(self, path: Path, layout: KVLayout | None, *, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
+        self.closed = False
         self._lock = threading.RLock()
         try:
+            if read_only:
+                self._db = sqlite3.connect(
+                    f"{path.resolve().as_uri()}?mode=ro",
+                    uri=True,
+                    check_same_thread=False,
+                    isolation_level=None,
+                    timeout=30,
+                )
+                self.layout = self._check_meta(layout)
+                self._pending_access: dict[BlockKey, tuple[float, int]] = {}
+                return
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
             app_id = self._db.execute("PRAGMA application_id").fetchone()[0]
             has_tables = self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
@@ -216,7 +229,7 @@ class Index:
         self._pending_access[key] = (when, count + 1)
 
     def flush_access(self) -> None:
-        if not self._pending_access:
+        if not self._pending_access or self.read_only:
             return
         pending, self._pending_access = self._pending_access, {}
         with self.transaction() as db:
@@ -290,8 +303,12 @@ class Index:
 
     def close(self) -> None:
         with self._lock:
-            self.flush_access()
+            if self.closed:
+                return
+            if not self.read_only:
+                self.flush_access()
             self._db.close()
+            self.closed = True
 
 
 def _session_row(row: tuple) -> SessionRow:  # type: ignore[type-arg]

@@ -8,7 +8,9 @@ namespace, so blocks are shared only where they are interchangeable.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +21,15 @@ import torch
 
 from kvstrata.block import KVBlock
 from kvstrata.config import StoreConfig, default_store_dir
-from kvstrata.errors import ConfigError, SessionExistsError, SessionNotFoundError, TierUnavailableError
+from kvstrata.errors import (
+    ConfigError,
+    KVStrataError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StoreBusyError,
+    StoreFormatError,
+    TierUnavailableError,
+)
 from kvstrata.index import Index
 from kvstrata.keys import BlockKey, chain_key, root_key
 from kvstrata.layout import KVLayout
@@ -51,25 +61,54 @@ class KVStore:
         *,
         model_fingerprint: bytes = b"",
         config: StoreConfig | None = None,
+        read_only: bool = False,
     ) -> None:
+        """Open (or create) the store at ``root``.
+
+        A writable store is owned by one process at a time (an exclusive lock on ``owner.lock``,
+        released by the kernel even on ``kill -9``); a second writer gets ``StoreBusyError``.
+        ``read_only=True`` takes no lock, never writes and never cleans up, so it is safe to
+        inspect a store another process is using.
+        """
         started = time.perf_counter()
         self.root = Path(root) if root is not None else default_store_dir()
+        self.read_only = read_only
+        if read_only and not (self.root / "index.sqlite").exists():
+            raise StoreFormatError(f"no kvstrata store at {self.root}")
         self.root.mkdir(parents=True, exist_ok=True)
-        self.config = config or StoreConfig()
-        self.index = Index(self.root / "index.sqlite", layout)
-        self.layout = self.index.layout
-        self.model_fingerprint = model_fingerprint
-        self.blocks = TieredStore(self.root, self.layout, self.index, self.config)
+        self._owner_lock = None if read_only else _acquire_owner_lock(self.root)
+        try:
+            self.config = config or StoreConfig()
+            self.index = Index(self.root / "index.sqlite", layout, read_only=read_only)
+            self.layout = self.index.layout
+            self.model_fingerprint = model_fingerprint
+            self.blocks = TieredStore(self.root, self.layout, self.index, self.config, read_only=read_only)
+        except BaseException:
+            self._release_owner_lock()
+            raise
         self._sessions: dict[tuple[str, str], Session] = {}
         self.open_seconds = time.perf_counter() - started
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise KVStrataError(f"store {self.root} was opened read-only")
+
+    def _release_owner_lock(self) -> None:
+        if self._owner_lock is not None:
+            os.close(self._owner_lock)  # closing the descriptor releases the flock
+            self._owner_lock = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         from kvstrata import stats
 
+        if self.index.closed:
+            return
         self.blocks.close()
-        stats.persist(self)
+        if not self.read_only:
+            stats.persist(self)
         self.index.close()
+        self._release_owner_lock()
 
     def stats(self) -> StoreStats:
         from kvstrata import stats
@@ -116,6 +155,7 @@ class KVStore:
         pinned: bool = False,
         exist_ok: bool = False,
     ) -> Session:
+        self._writable()
         validate_session_id(session_id)
         if ttl_s is not None and ttl_s <= 0:
             raise ConfigError("ttl_s must be positive")
@@ -165,11 +205,13 @@ class KVStore:
         return list(self._sessions.values())
 
     def delete_session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
+        self._writable()
         self._sessions.pop((namespace, session_id), None)
         return self.index.delete_session(namespace, session_id)
 
     def fork(self, session: Session, child_id: str) -> Session:
         """A new session sharing ``session``'s blocks (they are immutable: copy-on-write)."""
+        self._writable()
         validate_session_id(child_id)
         if self._find(session.namespace, child_id) is not None:
             raise SessionExistsError(f"session {session.namespace}/{child_id} already exists")
@@ -197,6 +239,7 @@ class KVStore:
         whoever wrote them first); the remainder becomes the session's tail block. A checkpoint
         is taken every ``checkpoint_every_tokens`` tokens.
         """
+        self._writable()
         new_tokens = [int(t) for t in token_ids]
         if kv.dim() != 5 or kv.shape[3] != len(new_tokens):
             raise ConfigError(f"kv must have shape (2, L, H, {len(new_tokens)}, D), got {tuple(kv.shape)}")
@@ -243,6 +286,7 @@ class KVStore:
 
     def truncate(self, session: Session, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens (for an edited history)."""
+        self._writable()
         if not 0 <= num_tokens <= session.num_tokens:
             raise ConfigError(f"cannot truncate {session.num_tokens} tokens to {num_tokens}")
         if num_tokens == session.num_tokens:
@@ -306,6 +350,7 @@ class KVStore:
     def checkpoint(self, session: Session) -> None:
         """Make the session's blocks durable in L3, then commit its index row (in that order, so
         a committed session never names a block that is not on disk)."""
+        self._writable()
         missing = self.blocks.make_durable(session.all_keys())
         if missing:
             raise TierUnavailableError(
@@ -323,6 +368,22 @@ class KVStore:
     def flush(self) -> None:
         self.blocks.writer.flush()
         self.index.flush_access()
+
+
+def _acquire_owner_lock(root: Path) -> int:
+    fd = os.open(root / "owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreBusyError(
+            f"store {root} is open for writing in another process (pid {holder}); stop it, or use a "
+            "read-only command (store stats, sessions list/show)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def token_array(token_ids: Sequence[int]) -> np.ndarray:

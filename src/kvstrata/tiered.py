@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvstrata import codecs
 from kvstrata.block import KVBlock
@@ -53,16 +54,16 @@ class StoreCounters:
 
 
 class TieredStore:
-    def __init__(self, root_dir: object, layout: KVLayout, index: Index, config: StoreConfig) -> None:
-        from pathlib import Path
-
-        self.root = Path(str(root_dir))
+    def __init__(
+        self, root_dir: Path, layout: KVLayout, index: Index, config: StoreConfig, *, read_only: bool = False
+    ) -> None:
+        self.root = root_dir
         self.layout = layout
         self.config = config
         self.index = index
         self.l1 = DeviceTier(layout, config.l1_budget_bytes, config.device)
         self.l2 = HostTier(layout, config.l2_budget_bytes, pin_memory=config.pin_host_memory)
-        self.l3 = DiskTier(self.root, layout, index, config.l3_budget_bytes)
+        self.l3 = DiskTier(self.root, layout, index, config.l3_budget_bytes, read_only=read_only)
         self.memory_tiers: list[Tier] = [t for t in (self.l1, self.l2) if t.budget_bytes > 0]
         self.scorer = get_scorer(config.eviction)
         self.l2_codec = codecs.get_codec(config.l2_codec)

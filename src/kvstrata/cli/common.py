@@ -28,13 +28,14 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 NamespaceOption = Annotated[str, typer.Option("--namespace", "-n", help="Namespace (tenant) of the session.")]
 
 
-def open_store(store: Path | None) -> KVStore:
-    """Open an existing store with its recorded layout; small memory tiers (the CLI only reads)."""
+def open_store(store: Path | None, *, read_only: bool = False) -> KVStore:
+    """Open an existing store with its recorded layout and no memory tiers. Read-only opens are
+    safe while another process (a server, a demo) owns the store."""
     root = store or default_store_dir()
     if not (root / "index.sqlite").exists():
         fail(f"no kvstrata store at {root} (use --store or KVSTRATA_STORE)")
     try:
-        return KVStore(root, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0))
+        return KVStore(root, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0), read_only=read_only)
     except KVStrataError as exc:
         fail(str(exc))
 

@@ -34,7 +34,7 @@ def list_sessions(
     json_out: JsonOption = False,
 ) -> None:
     """All sessions with their token counts, priority, pin and TTL."""
-    kv = open_store(store)
+    kv = open_store(store, read_only=True)
     try:
         infos = kv.list_sessions(namespace)
     finally:
@@ -78,7 +78,7 @@ def show(
     json_out: JsonOption = False,
 ) -> None:
     """One session: its figures and where each of its blocks is."""
-    kv = open_store(store)
+    kv = open_store(store, read_only=True)
     try:
         session = kv.session(session_id, namespace)
         blocks = [

@@ -69,7 +69,7 @@ def inspect(
 @store_app.command("stats")
 def store_stats(store: StoreOption = None, json_out: JsonOption = False) -> None:
     """Per tier: blocks, bytes, budget, hits/misses, and L2 fragmentation."""
-    kv = open_store(store)
+    kv = open_store(store, read_only=True)
     try:
         stats = kv.stats()
     finally:

@@ -50,19 +50,29 @@ def _fsync_dir(path: Path) -> None:
 class DiskTier:
     level = TierLevel.L3
 
-    def __init__(self, root: Path, layout: KVLayout, index: Index, budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        layout: KVLayout,
+        index: Index,
+        budget_bytes: int | None = None,
+        *,
+        read_only: bool = False,
+    ) -> None:
         self.root = root
         self.layout = layout
         self.index = index
         self.budget_bytes = budget_bytes
         self.tmp_dir = root / "tmp"
         self.quarantine_dir = root / "quarantine"
-        for d in (root / "hot", root / "cold", self.tmp_dir, self.quarantine_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        if not read_only:
+            for d in (root / "hot", root / "cold", self.tmp_dir, self.quarantine_dir):
+                d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self.lost: set[BlockKey] = set()
         self.corrupt_count = 0
-        self.removed_temp_files = self._remove_temp_files()
+        # only the owner of the store may touch tmp/: a reader would delete live writes
+        self.removed_temp_files = 0 if read_only else self._remove_temp_files()
         # key -> (cold, nbytes, codec); full rows (access times) stay in SQLite until needed
         self._rows: dict[BlockKey, tuple[bool, int, int]] = index.block_placements()
         self._used = sum(nbytes for _, nbytes, _ in self._rows.values())
@@ -111,7 +121,8 @@ class DiskTier:
                 data, path=path, expected_key=key, expected_layout=self.layout.fingerprint
             )
         except CorruptBlockError:
-            self.quarantine(key, path)
+            if not self.index.read_only:
+                self.quarantine(key, path)
             raise
         self.index.note_access(key, time.time())
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded)
