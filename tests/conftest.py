@@ -12,6 +12,7 @@ import torch
 from kvstrata import KVLayout, KVStore, StoreConfig
 from kvstrata.block import KVBlock
 from kvstrata.keys import BlockKey, chain_key, root_key
+from kvstrata.policy.ladder import CodecLadder
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4)
 
@@ -45,6 +46,8 @@ def open_store(tmp_path: Path) -> Iterator[Callable[..., KVStore]]:
     opened: list[KVStore] = []
 
     def factory(root: Path | None = None, layout: KVLayout | None = LAYOUT, **config: object) -> KVStore:
+        config.setdefault("ladder", CodecLadder.exact())  # tests of exactness; ladder tests set their own
+        config.setdefault("ladder", CodecLadder.exact())  # exactness tests; ladder tests set their own
         store = KVStore(
             root or tmp_path / "store", layout, model_fingerprint=b"test-model", config=StoreConfig(**config)
         )  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kvstrata import KVStore, StoreConfig
+from kvstrata.policy.ladder import CodecLadder
 
 from conftest import LAYOUT, token_kv
 
@@ -16,7 +17,10 @@ from conftest import LAYOUT, token_kv
 def main(root: str, seed: int) -> None:
     rng = random.Random(seed)
     config = StoreConfig(
-        l1_budget_bytes=8 * LAYOUT.bytes_per_block, l2_budget_bytes=1 << 16, checkpoint_every_tokens=16
+        l1_budget_bytes=8 * LAYOUT.bytes_per_block,
+        l2_budget_bytes=1 << 16,
+        checkpoint_every_tokens=16,
+        ladder=CodecLadder.exact(),
     )
     store = KVStore(root, LAYOUT, model_fingerprint=b"test-model", config=config)
     sessions = [store.create_session(f"s{i}", exist_ok=True) for i in range(4)]

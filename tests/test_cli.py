@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from kvstrata import KVStore, StoreConfig
 from kvstrata.cli.main import app
+from kvstrata.policy.ladder import CodecLadder
 
 from conftest import LAYOUT, token_kv
 
@@ -14,7 +15,9 @@ runner = CliRunner()
 
 
 def _make_store(root: Path) -> None:
-    config = StoreConfig(l1_budget_bytes=4 * LAYOUT.bytes_per_block, l2_budget_bytes=1 << 20)
+    config = StoreConfig(
+        l1_budget_bytes=4 * LAYOUT.bytes_per_block, l2_budget_bytes=1 << 20, ladder=CodecLadder.exact()
+    )
     with KVStore(root, LAYOUT, model_fingerprint=b"test-model", config=config) as store:
         for sid in ("alpha", "beta"):
             s = store.create_session(sid, pinned=sid == "beta")

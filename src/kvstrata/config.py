@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import platformdirs
 
 from kvstrata.errors import ConfigError
+from kvstrata.policy.ladder import CodecLadder
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -46,8 +47,7 @@ class StoreConfig:
     writer_bandwidth_bytes_per_s: float | None = None
     eviction: str = "lru"
     promote_on_read: bool = True
-    l2_codec: str = "identity"
-    l3_codec: str = "identity"
+    ladder: CodecLadder = field(default_factory=CodecLadder)
 
     def __post_init__(self) -> None:
         for name in ("l1_budget_bytes", "l2_budget_bytes"):

@@ -11,8 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kvstrata.codecs import CodecId, get_codec
 from kvstrata.config import GcConfig
+from kvstrata.errors import KVStrataError
 from kvstrata.keys import KEY_BYTES, BlockKey
+from kvstrata.policy.ladder import LOSS_RANK, higher_priority
+from kvstrata.sessions import Priority
 from kvstrata.store import KVStore
 
 
@@ -22,6 +26,8 @@ class GcReport:
     blocks_deleted: int
     bytes_freed: int
     blocks_moved_cold: int
+    blocks_archived: int
+    """Of those moved to cold/, how many were re-encoded with the ladder's archive codec."""
     orphan_files_removed: int
     seconds: float
 
@@ -41,22 +47,33 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
             store.delete_session(info.id, info.namespace)
             sessions_deleted += 1
 
-    referenced: set[bytes] = set()
-    for block_keys, tail_key in store.index.iter_session_keys():
-        referenced.update(block_keys[i : i + KEY_BYTES] for i in range(0, len(block_keys), KEY_BYTES))
+    # per referenced block: the most demanding (priority, pinned) among the sessions using it
+    referenced: dict[bytes, tuple[Priority, bool]] = {}
+
+    def reference(key: bytes, priority: Priority, pinned: bool) -> None:
+        seen = referenced.get(key)
+        if seen is not None:
+            priority, pinned = higher_priority(seen[0], priority), seen[1] or pinned
+        referenced[key] = (priority, pinned)
+
+    for block_keys, tail_key, priority, pinned in store.index.iter_session_keys():
+        for i in range(0, len(block_keys), KEY_BYTES):
+            reference(block_keys[i : i + KEY_BYTES], Priority.parse(priority), pinned)
         if tail_key is not None:
-            referenced.add(tail_key)
+            reference(tail_key, Priority.parse(priority), pinned)
     for session in store.live_sessions():  # appended since their last checkpoint
-        referenced.update(session.all_keys())
+        for key in session.all_keys():
+            reference(key, session.priority, session.pinned)
 
     l3 = store.blocks.l3
-    blocks_deleted = bytes_freed = moved = 0
+    blocks_deleted = bytes_freed = moved = archived = 0
     for row in l3.rows():
         if row.key not in referenced:
             bytes_freed += row.nbytes
             store.blocks.remove(row.key)
             blocks_deleted += 1
         elif not row.cold and now - row.last_access > config.cold_after_s:
+            archived += _archive(store, row.key, row.codec, *referenced[row.key])
             moved += l3.set_cold(row.key, True)
 
     orphans = 0
@@ -70,5 +87,26 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
             path.unlink(missing_ok=True)
             orphans += 1
     return GcReport(
-        sessions_deleted, blocks_deleted, bytes_freed, moved, orphans, time.perf_counter() - started
+        sessions_deleted, blocks_deleted, bytes_freed, moved, archived, orphans, time.perf_counter() - started
     )
+
+
+def _archive(store: KVStore, key: BlockKey, codec: int, priority: Priority, pinned: bool) -> int:
+    """Re-encode an idle block with the ladder's archive codec before it goes cold (1 if done).
+
+    The new record replaces the old file atomically; a corrupt file is left to the read path,
+    which quarantines it."""
+    name = store.config.ladder.archive_codec(priority, pinned)
+    if name is None:
+        return 0
+    target = get_codec(name)
+    if LOSS_RANK[CodecId(codec)] >= LOSS_RANK[target.codec_id]:
+        return 0
+    try:
+        block = store.blocks.l3.get(key)
+    except KVStrataError:
+        return 0
+    if block is None:
+        return 0
+    store.blocks.l3.put(block.reencoded(target, store.layout), replace=True)
+    return 1

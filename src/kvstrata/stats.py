@@ -35,6 +35,9 @@ class TierStats:
     demotions: int
     rejected: int
     bytes_by_codec: dict[str, int] = field(default_factory=dict)
+    logical_bytes: int = 0
+    """Bytes the tier's blocks take decoded; ``compression_ratio`` = logical / stored."""
+    compression_ratio: float = 1.0
     live: bool = True
     """False: figures of the last process that closed the store (memory tiers are volatile)."""
 
@@ -61,15 +64,14 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
         usage = tier.usage()
         c = blocks.counters.tiers[tier.level]
         by_codec: dict[str, int] = {}
-        if tier.level is TierLevel.L3:
-            for codec, nbytes in blocks.l3.bytes_by_codec().items():
-                by_codec[CodecId(codec).name.lower()] = nbytes
-        elif tier.level is TierLevel.L2:
-            for entry in blocks.l2._entries.values():
-                name = entry.codec.name.lower()
-                by_codec[name] = by_codec.get(name, 0) + entry.payload_len
-        elif usage.blocks:
-            by_codec["decoded"] = usage.stored_bytes
+        logical = usage.stored_bytes
+        if tier.level is TierLevel.L1:
+            if usage.blocks:
+                by_codec["decoded"] = usage.stored_bytes
+        else:
+            tier_impl = blocks.l3 if tier.level is TierLevel.L3 else blocks.l2
+            by_codec = {CodecId(c).name.lower(): n for c, n in tier_impl.bytes_by_codec().items()}
+            logical = tier_impl.logical_bytes()
         out.append(
             TierStats(
                 tier.level.name,
@@ -84,6 +86,8 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
                 c.demotions,
                 c.rejected,
                 by_codec,
+                logical,
+                round(logical / usage.stored_bytes, 3) if usage.stored_bytes else 1.0,
             )
         )
     return out
@@ -108,6 +112,8 @@ def collect(store: KVStore) -> StoreStats:
             for name in ("blocks", "used_bytes", "stored_bytes", "budget_bytes", "fragmentation_bytes"):
                 setattr(t, name, prev.get(name, 0))
             t.bytes_by_codec = prev.get("bytes_by_codec", {})
+            t.logical_bytes = prev.get("logical_bytes", 0)
+            t.compression_ratio = prev.get("compression_ratio", 1.0)
             t.live = False
     c = store.blocks.counters
     totals = snapshot.get("totals", {})

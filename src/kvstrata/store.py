@@ -251,29 +251,43 @@ class KVStore:
             tail_kv = self._read_tail(session)
             kv = torch.cat([tail_kv, kv.to(tail_kv.device)], dim=3)
         pending_tokens = tail_tokens + new_tokens
-        start_pos = len(session.block_keys) * bt
+        old_full = len(session.block_keys)
+        new_full = old_full + len(pending_tokens) // bt
+        window_start = new_full - self.config.ladder.recent_blocks  # full blocks from here stay exact
+        start_pos = old_full * bt
         parent = session.block_keys[-1] if session.block_keys else self.root_key(session.namespace)
         offset = 0
         while len(pending_tokens) - offset >= bt:
             chunk = pending_tokens[offset : offset + bt]
             parent = chain_key(parent, chunk)
-            self._put_block(parent, start_pos + offset, kv[:, :, :, offset : offset + bt])
+            recent = len(session.block_keys) >= window_start
+            self._put_block(parent, start_pos + offset, kv[:, :, :, offset : offset + bt], session, recent)
             session.block_keys.append(parent)
             offset += bt
         rest = pending_tokens[offset:]
         session.tail_key = None
         if rest:
             session.tail_key = chain_key(parent, rest)
-            self._put_block(session.tail_key, start_pos + offset, kv[:, :, :, offset:])
+            self._put_block(session.tail_key, start_pos + offset, kv[:, :, :, offset:], session, True)
+        # blocks this append pushed out of the recent window go down the ladder, in the background
+        self.blocks.age_out(
+            session.block_keys[
+                max(0, old_full - self.config.ladder.recent_blocks) : min(old_full, window_start)
+            ]
+        )
         session.token_ids.extend(new_tokens)
         session.last_access = time.time()
         if session.num_tokens - session.checkpointed_tokens >= self.config.checkpoint_every_tokens:
             self.checkpoint(session)
 
-    def _put_block(self, key: BlockKey, start_pos: int, kv: torch.Tensor) -> None:
+    def _put_block(
+        self, key: BlockKey, start_pos: int, kv: torch.Tensor, session: Session, recent: bool
+    ) -> None:
         tensor = kv.detach().to(self.layout.torch_dtype).contiguous()
         self.layout.check_block(tensor)
-        self.blocks.put(KVBlock(key, int(tensor.shape[3]), start_pos, tensor))
+        self.blocks.put(
+            KVBlock(key, int(tensor.shape[3]), start_pos, tensor), priority=session.priority, recent=recent
+        )
 
     def _read_tail(self, session: Session) -> torch.Tensor:
         assert session.tail_key is not None
@@ -315,13 +329,23 @@ class KVStore:
         """
         want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
         session.last_access = time.time()
-        return self.load_blocks(session.all_keys(), want, full_blocks=len(session.block_keys))
+        return self.load_blocks(
+            session.all_keys(), want, full_blocks=len(session.block_keys), priority=session.priority
+        )
 
     def load_blocks(
-        self, keys: Sequence[BlockKey], num_tokens: int | None = None, *, full_blocks: int | None = None
+        self,
+        keys: Sequence[BlockKey],
+        num_tokens: int | None = None,
+        *,
+        full_blocks: int | None = None,
+        priority: Priority | str | None = None,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
-        tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks."""
+        tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks.
+        With ``priority``, blocks stored lossier than that class accepts count as missing."""
+        prio = Priority.parse(priority) if priority is not None else None
+        max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
         bt = self.layout.block_tokens
         full = len(keys) if full_blocks is None else full_blocks
         want = len(keys) * bt if num_tokens is None else num_tokens
@@ -332,7 +356,7 @@ class KVStore:
             for i, key in enumerate(keys):
                 if got >= want:
                     break
-                found = self.blocks.lookup(key)
+                found = self.blocks.lookup(key, priority=prio, max_loss=max_loss)
                 if found is None:
                     break
                 block, level = found
@@ -366,7 +390,8 @@ class KVStore:
         self.index.put_session(session.to_row())
 
     def flush(self) -> None:
-        self.blocks.writer.flush()
+        """Wait until queued re-encodes and writes reached L3."""
+        self.blocks.flush()
         self.index.flush_access()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -19,12 +20,15 @@ from pathlib import Path
 
 from kvstrata import codecs
 from kvstrata.block import KVBlock
+from kvstrata.codecs import Codec, CodecId
 from kvstrata.config import StoreConfig, WritePolicy
-from kvstrata.errors import CorruptBlockError, LayoutMismatchError, TierUnavailableError
+from kvstrata.errors import CorruptBlockError, KVStrataError, LayoutMismatchError, TierUnavailableError
 from kvstrata.index import Index
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.policy import BlockStats, get_scorer
+from kvstrata.policy.ladder import LOSS_RANK, higher_priority
+from kvstrata.sessions import Priority
 from kvstrata.tiers.base import Tier, TierLevel
 from kvstrata.tiers.device import DeviceTier
 from kvstrata.tiers.disk import DiskTier
@@ -49,6 +53,8 @@ class StoreCounters:
         default_factory=lambda: {lvl: TierCounters() for lvl in TierLevel}
     )
     corrupt_blocks: int = 0
+    rejected_lossy: int = 0
+    reencoded: int = 0
     dropped_dirty: int = 0
     write_failures: int = 0
 
@@ -66,8 +72,8 @@ class TieredStore:
         self.l3 = DiskTier(self.root, layout, index, config.l3_budget_bytes, read_only=read_only)
         self.memory_tiers: list[Tier] = [t for t in (self.l1, self.l2) if t.budget_bytes > 0]
         self.scorer = get_scorer(config.eviction)
-        self.l2_codec = codecs.get_codec(config.l2_codec)
-        self.l3_codec = codecs.get_codec(config.l3_codec)
+        self.ladder = config.ladder
+        self._codecs: dict[str, Codec] = {}
         self.counters = StoreCounters()
         self._lock = threading.RLock()
         self._stats: dict[BlockKey, BlockStats] = {}
@@ -78,15 +84,58 @@ class TieredStore:
             bandwidth_bytes_per_s=config.writer_bandwidth_bytes_per_s,
             on_failure=self._on_write_failure,
         )
+        self._reencode_queue: queue.Queue[tuple[BlockKey, Codec, KVBlock | None] | None] = queue.Queue()
+        self._reencoder = threading.Thread(target=self._reencode_loop, name="kvstrata-reencoder", daemon=True)
+        self._reencoder.start()
 
     # -- stats and holds -------------------------------------------------------------------------
-    def _touch(self, key: BlockKey, num_tokens: int) -> BlockStats:
+    def _touch(self, key: BlockKey, num_tokens: int, priority: Priority | None = None) -> BlockStats:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic())
         stats.last_access = time.monotonic()
         stats.access_count += 1
+        if priority is not None:
+            stats.priority = priority if stats.priority is None else higher_priority(stats.priority, priority)
         return stats
+
+    # -- codecs (the ladder) ---------------------------------------------------------------------
+    def _codec(self, name: str) -> Codec:
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = codecs.get_codec(name)
+        return codec
+
+    def target_codec(self, key: BlockKey, level: TierLevel) -> str:
+        """What the ladder wants for ``key`` in ``level``: exact while in a recent window."""
+        stats = self._stats.get(key)
+        if stats is None or stats.recent:
+            return "identity" if stats is not None else self.ladder.codec_for(Priority.INTERACTIVE, level)
+        return self.ladder.codec_for(stats.priority or Priority.INTERACTIVE, level)
+
+    def _fit(self, block: KVBlock, level: TierLevel) -> KVBlock:
+        """``block`` encoded as the ladder wants for ``level``; an encoding already at least as
+        lossy is kept (re-encoding cannot regain precision, it would only cost time)."""
+        codec = self._codec(self.target_codec(block.key, level))
+        if block.encoded is not None and LOSS_RANK[block.encoded.codec] >= LOSS_RANK[codec.codec_id]:
+            return block
+        return block.reencoded(codec, self.layout)
+
+    def stored_loss(self, key: BlockKey) -> int | None:
+        """Loss rank of the best copy held anywhere (0 = exact); None when absent."""
+        if self.l1.contains(key):
+            return 0
+        ranks = []
+        entry = self.l2.codec_of(key)
+        if entry is not None:
+            ranks.append(LOSS_RANK[CodecId(entry)])
+        pending = self.writer.pending(key)
+        if pending is not None and pending.encoded is not None:
+            ranks.append(LOSS_RANK[pending.encoded.codec])
+        on_disk = self.l3.codec_of(key)
+        if on_disk is not None:
+            ranks.append(LOSS_RANK[CodecId(on_disk)])
+        return min(ranks) if ranks else None
 
     @contextlib.contextmanager
     def hold(self, keys: Iterable[BlockKey]) -> Iterator[None]:
@@ -124,25 +173,44 @@ class TieredStore:
             return TierLevel.L3
         return None
 
-    def lookup(self, key: BlockKey) -> tuple[KVBlock, TierLevel] | None:
-        """The block and the tier it was found in, promoting it per config; ``None`` on a miss."""
+    def lookup(
+        self, key: BlockKey, *, priority: Priority | None = None, max_loss: int | None = None
+    ) -> tuple[KVBlock, TierLevel] | None:
+        """The block and the tier it was found in, promoting it per config; ``None`` on a miss.
+
+        A copy lossier than ``max_loss`` (see ``policy.ladder.LOSS_RANK``) is not returned: the
+        caller recomputes those tokens and its exact KV then replaces the lossy copy.
+        """
+
+        def acceptable(block: KVBlock) -> bool:
+            if max_loss is None or block.encoded is None or block.tensor is not None:
+                return True
+            if LOSS_RANK[block.encoded.codec] <= max_loss:
+                return True
+            self.counters.rejected_lossy += 1
+            return False
+
         with self._lock:
             for tier in self.memory_tiers:
                 block = tier.get(key)
-                if block is not None:
+                if block is not None and acceptable(block):
                     self.counters.tiers[tier.level].hits += 1
-                    self._touch(key, block.num_tokens)
+                    self._touch(key, block.num_tokens, priority)
                     if tier.level is not TierLevel.L1 and self.config.promote_on_read:
                         block = self._promote(block, tier.level)
                     return block, tier.level
             pending = self.writer.pending(key)
-            if pending is not None:
+            if pending is not None and acceptable(pending):
                 # still in the writer's queue: served from memory, counted as an L3 hit
                 self.counters.tiers[TierLevel.L3].hits += 1
-                self._touch(key, pending.num_tokens)
+                self._touch(key, pending.num_tokens, priority)
                 return self._promote(pending, TierLevel.L3), TierLevel.L3
+        on_disk = self.l3.codec_of(key)
+        if on_disk is not None and max_loss is not None and LOSS_RANK[CodecId(on_disk)] > max_loss:
+            self.counters.rejected_lossy += 1
+            on_disk = None
         try:
-            block = self.l3.get(key)  # file I/O outside the store lock
+            block = self.l3.get(key) if on_disk is not None else None  # file I/O outside the lock
         except CorruptBlockError as exc:
             self.counters.corrupt_blocks += 1
             log.error("treating corrupt block as missing: %s", exc)
@@ -157,7 +225,7 @@ class TieredStore:
                     self.counters.tiers[tier.level].misses += 1
                 return None
             self.counters.tiers[TierLevel.L3].hits += 1
-            self._touch(key, block.num_tokens)
+            self._touch(key, block.num_tokens, priority)
             if self.config.promote_on_read:
                 block = self._promote(block, TierLevel.L3)
             return block, TierLevel.L3
@@ -167,18 +235,65 @@ class TieredStore:
         return found[0] if found else None
 
     # -- placement -------------------------------------------------------------------------------
-    def put(self, block: KVBlock) -> None:
-        """Place a new block at the top tier; a block already stored anywhere is only touched."""
+    def put(self, block: KVBlock, *, priority: Priority | None = None, recent: bool = False) -> None:
+        """Place a new block at the top tier. A block already stored anywhere is only touched,
+        unless every stored copy is lossier than ``priority`` accepts: then this (exact) block
+        replaces them. ``recent`` marks it as in a session's full-precision window."""
         submit: KVBlock | None = None
         with self._lock:
-            self._touch(block.key, block.num_tokens)
-            if self.contains(block.key):
-                return
+            stats = self._touch(block.key, block.num_tokens, priority)
+            stats.recent = stats.recent or recent
+            loss = self.stored_loss(block.key)
+            if loss is not None:
+                wanted = self.ladder.max_loss_rank(priority or Priority.INTERACTIVE)
+                if loss <= wanted:
+                    return
+                self.l2.remove(block.key)  # the lossy memory copy; L3's is replaced in place
+                self.counters.reencoded += 1
             placed = self._place(block, 0)
-            if self.config.write_policy is WritePolicy.WRITE_THROUGH or placed is None:
-                submit = block.reencoded(self.l3_codec, self.layout)
+            if self.config.write_policy is WritePolicy.WRITE_THROUGH or placed is None or loss is not None:
+                submit = self._fit(block, TierLevel.L3)
         if submit is not None:
             self.writer.submit(submit)  # may wait for queue room: outside the lock
+
+    def age_out(self, keys: Iterable[BlockKey]) -> None:
+        """``keys`` left their session's recent window: re-encode them down the ladder, off the
+        request path (the background writer swaps each L3 file atomically)."""
+        for key in keys:
+            with self._lock:
+                stats = self._stats.get(key)
+                if stats is None or not stats.recent:
+                    continue
+                stats.recent = False
+                target = self._codec(self.target_codec(key, TierLevel.L3))
+                current = self.l3.codec_of(key)
+                pending = self.writer.pending(key)
+                if pending is not None and pending.encoded is not None:
+                    current = pending.encoded.codec
+                if current is None or LOSS_RANK[CodecId(current)] >= LOSS_RANK[target.codec_id]:
+                    continue
+                source = self.l1.get(key) or pending
+                if source is not None and source.tensor is not None:
+                    source = KVBlock(key, source.num_tokens, source.start_pos, source.tensor.clone())
+            self._reencode_queue.put((key, target, source))
+
+    def _reencode_loop(self) -> None:
+        while True:
+            item = self._reencode_queue.get()
+            if item is None:
+                return
+            key, target, source = item
+            try:
+                if source is None:
+                    source = self.l3.get(key)
+                if source is not None:
+                    self.writer.submit(source.reencoded(target, self.layout))
+                    with self._lock:
+                        self.counters.reencoded += 1
+            except KVStrataError as exc:  # a corrupt or foreign block: leave it to the read path
+                log.warning("re-encoding block %s skipped: %s", key.hex()[:16], exc)
+            finally:
+                self._reencode_queue.task_done()
 
     def _promote(self, block: KVBlock, found_in: TierLevel) -> KVBlock:
         if not self.memory_tiers or self.memory_tiers[0].level >= found_in:
@@ -207,9 +322,7 @@ class TieredStore:
         return None
 
     def _encode_for(self, block: KVBlock, tier: Tier) -> KVBlock:
-        if tier.level is TierLevel.L2:
-            return block.reencoded(self.l2_codec, self.layout)
-        return block
+        return self._fit(block, tier.level) if tier.level is not TierLevel.L1 else block
 
     def _candidates(self, index: int) -> list[BlockKey]:
         tier = self.memory_tiers[index]
@@ -271,11 +384,14 @@ class TieredStore:
             log.warning("dropping block %s: no memory tier can keep it and L3 is failing", key.hex()[:16])
             return
         # write-back (or an L2 too small to keep it): L3 becomes its only home
-        self.writer.submit(block.reencoded(self.l3_codec, self.layout))
+        self.writer.submit(self._fit(block, TierLevel.L3))
 
     # -- durability ------------------------------------------------------------------------------
     def _write_l3(self, block: KVBlock) -> bool:
-        ok = self.l3.put(block)
+        current = self.l3.codec_of(block.key)
+        # a different codec is an upgrade (exact KV recomputed) or a re-encode down the ladder
+        replace = current is not None and block.encoded is not None and current != block.encoded.codec
+        ok = self.l3.put(block, replace=replace)
         self._failed_writes.discard(block.key)
         return ok
 
@@ -295,7 +411,7 @@ class TieredStore:
                 if block is not None and block.tensor is not None:
                     block = KVBlock(block.key, block.num_tokens, block.start_pos, block.tensor.clone())
             if block is not None:
-                self.writer.submit(block.reencoded(self.l3_codec, self.layout))
+                self.writer.submit(self._fit(block, TierLevel.L3))
         self.writer.flush(wanted, timeout)
         return [k for k in wanted if not self.l3.contains(k)]
 
@@ -313,7 +429,15 @@ class TieredStore:
         self.writer.flush([key])
         self.l3.remove(key)
 
+    def flush(self) -> None:
+        """Wait for queued re-encodes and writes."""
+        self._reencode_queue.join()
+        self.writer.flush()
+
     def close(self) -> None:
+        self._reencode_queue.join()
+        self._reencode_queue.put(None)
+        self._reencoder.join()
         self.writer.close(flush=True)
         self.l3.close()
         for tier in self.memory_tiers:

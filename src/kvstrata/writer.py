@@ -57,7 +57,11 @@ class BackgroundWriter:
     def submit(self, block: KVBlock) -> None:
         size = self._size(block)
         with self._cond:
-            if block.key in self._queue or block.key in self._inflight:
+            queued = self._queue.pop(block.key, None)
+            if queued is not None:
+                # the latest version of a block wins (an upgrade or re-encode replaces a queued one)
+                self._queued_bytes -= self._size(queued)
+            elif block.key in self._inflight and self._inflight[block.key].encoded == block.encoded:
                 return
             while (
                 self._queued_bytes > 0

@@ -22,6 +22,7 @@ from rich.table import Table
 from kvstrata.cli.common import JsonOption, console, print_json
 from kvstrata.config import MiB, StoreConfig
 from kvstrata.layout import KVLayout
+from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store import KVStore
 
 SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", block_tokens=64)
@@ -49,7 +50,8 @@ def demo(
     """Agents sharing a system prompt write KV, the store restarts, every session is verified."""
     layout = SMOLLM2_LAYOUT
     root = store or Path(tempfile.mkdtemp(prefix="kvstrata-demo-"))
-    config = StoreConfig(l1_budget_bytes=64 * MiB, l2_budget_bytes=128 * MiB)
+    # exact ladder: the demo checks restores bit for bit (lossy ladders are measured by `eval codecs`)
+    config = StoreConfig(l1_budget_bytes=64 * MiB, l2_budget_bytes=128 * MiB, ladder=CodecLadder.exact())
     rng = np.random.default_rng(0)
     system = rng.integers(0, 49_152, system_tokens).tolist()
     histories: dict[str, list[int]] = {}

@@ -88,6 +88,7 @@ def store_stats(store: StoreOption = None, json_out: JsonOption = False) -> None
         "promoted",
         "demoted",
         "fragmentation",
+        "ratio",
         "by codec",
     ):
         table.add_column(col, justify="left" if col in ("tier", "by codec") else "right")
@@ -103,6 +104,7 @@ def store_stats(store: StoreOption = None, json_out: JsonOption = False) -> None
             str(t.promotions),
             str(t.demotions),
             _human(t.fragmentation_bytes),
+            f"{t.compression_ratio:.2f}x",
             codecs,
         )
     console.print(table)
@@ -131,6 +133,7 @@ def gc(
         return
     console.print(
         f"gc: {report.sessions_deleted} sessions expired, {report.blocks_deleted} blocks deleted "
-        f"({_human(report.bytes_freed)}), {report.blocks_moved_cold} moved to cold/, "
+        f"({_human(report.bytes_freed)}), {report.blocks_moved_cold} moved to cold/ "
+        f"({report.blocks_archived} re-encoded for the archive), "
         f"{report.orphan_files_removed} orphan files removed in {report.seconds:.2f} s"
     )

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from kvstrata.errors import ConfigError
 from kvstrata.keys import BlockKey
+from kvstrata.sessions import Priority
 
 
 @dataclass(slots=True)
@@ -23,6 +24,10 @@ class BlockStats:
     last_access: float
     access_count: int = 0
     ref_count: int = 0
+    priority: Priority | None = None
+    """The most demanding priority class seen using the block (None: not known yet)."""
+    recent: bool = False
+    """In some session's full-precision recent window."""
 
 
 class EvictionScorer(Protocol):

@@ -73,9 +73,9 @@ class DiskTier:
         self.corrupt_count = 0
         # only the owner of the store may touch tmp/: a reader would delete live writes
         self.removed_temp_files = 0 if read_only else self._remove_temp_files()
-        # key -> (cold, nbytes, codec); full rows (access times) stay in SQLite until needed
-        self._rows: dict[BlockKey, tuple[bool, int, int]] = index.block_placements()
-        self._used = sum(nbytes for _, nbytes, _ in self._rows.values())
+        # key -> (cold, nbytes, codec, num_tokens); full rows (access times) stay in SQLite until needed
+        self._rows: dict[BlockKey, tuple[bool, int, int, int]] = index.block_placements()
+        self._used = sum(placement[1] for placement in self._rows.values())
 
     def _remove_temp_files(self) -> int:
         # A temp file is a write that never reached its rename: never visible, safe to drop.
@@ -92,6 +92,10 @@ class DiskTier:
     # -- Tier protocol -----------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
         return key in self._rows
+
+    def codec_of(self, key: BlockKey) -> int | None:
+        placement = self._rows.get(key)
+        return placement[2] if placement is not None else None
 
     def is_cold(self, key: BlockKey) -> bool | None:
         """Whether the block's file is in ``cold/``; None when the block is not in L3."""
@@ -127,14 +131,19 @@ class DiskTier:
         self.index.note_access(key, time.time())
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded)
 
-    def put(self, block: KVBlock) -> bool:
-        if block.key in self._rows:
+    def put(self, block: KVBlock, *, replace: bool = False) -> bool:
+        """Write ``block`` crash-safely; with ``replace`` an existing copy (another codec) is
+        atomically swapped for it in place (the rename replaces the old file)."""
+        previous = self._rows.get(block.key)
+        if previous is not None and not replace:
             return True
         encoded = block.encode()
         record = encode_record(block.key, encoded, self.layout.fingerprint, start_pos=block.start_pos)
-        if self.budget_bytes is not None and self._used + len(record) > self.budget_bytes:
+        growth = len(record) - (previous[1] if previous is not None else 0)
+        if self.budget_bytes is not None and self._used + growth > self.budget_bytes:
             return False
-        final = self.path_for(block.key)
+        cold = previous is not None and previous[0]
+        final = self.path_for(block.key, cold)
         tmp = self.tmp_dir / f"{final.name}.{uuid.uuid4().hex}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -159,13 +168,13 @@ class DiskTier:
             raise
         now = time.time()
         row = BlockRow(
-            block.key, False, block.num_tokens, block.start_pos, int(encoded.codec), len(record), now, now, 0
+            block.key, cold, block.num_tokens, block.start_pos, int(encoded.codec), len(record), now, now, 0
         )
         # Only now, with the file durable under its final name, does the index learn of it.
         self.index.put_block(row)
         with self._lock:
-            self._rows[block.key] = (False, row.nbytes, row.codec)
-            self._used += row.nbytes
+            self._rows[block.key] = (cold, row.nbytes, row.codec, row.num_tokens)
+            self._used += growth
         self.lost.discard(block.key)
         return True
 
@@ -218,7 +227,7 @@ class DiskTier:
             finally:
                 os.close(fd)
         self.index.set_cold(key, cold)
-        self._rows[key] = (cold, placement[1], placement[2])
+        self._rows[key] = (cold, placement[1], placement[2], placement[3])
         return True
 
     def keys(self) -> Iterator[BlockKey]:
@@ -230,9 +239,13 @@ class DiskTier:
 
     def bytes_by_codec(self) -> dict[int, int]:
         out: dict[int, int] = {}
-        for _, nbytes, codec in self._rows.values():
+        for _, nbytes, codec, _ in self._rows.values():
             out[codec] = out.get(codec, 0) + nbytes
         return out
+
+    def logical_bytes(self) -> int:
+        """Bytes the stored blocks would take decoded (what compression is measured against)."""
+        return sum(placement[3] for placement in self._rows.values()) * self.layout.bytes_per_token
 
     def rows(self) -> list[BlockRow]:
         """Full index rows (access times included) of every block, read from the index."""

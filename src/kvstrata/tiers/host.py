@@ -133,6 +133,10 @@ class HostTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
 
+    def codec_of(self, key: BlockKey) -> int | None:
+        entry = self._entries.get(key)
+        return int(entry.codec) if entry is not None else None
+
     def get(self, key: BlockKey) -> KVBlock | None:
         entry = self._entries.get(key)
         if entry is None:
@@ -179,6 +183,15 @@ class HostTier:
 
     def usage(self) -> TierUsage:
         return TierUsage(len(self._entries), self._used, self._stored, self.budget_bytes)
+
+    def bytes_by_codec(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for entry in self._entries.values():
+            out[int(entry.codec)] = out.get(int(entry.codec), 0) + entry.payload_len
+        return out
+
+    def logical_bytes(self) -> int:
+        return sum(e.num_tokens for e in self._entries.values()) * self.layout.bytes_per_token
 
     def free_pages(self) -> int:
         return len(self._free_pages) + self.num_pages - self._next_page
