@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvstrata-installed
 
-.PHONY: demo test lint bench-recovery clean
+.PHONY: demo test lint redis bench-recovery clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvstrata demo
 
-test: $(STAMP)
+# the remote-tier tests start real redis-server processes (a standalone one and a 3-node cluster)
+redis:
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server redis-tools; }
+
+test: $(STAMP) redis
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest
 

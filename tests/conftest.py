@@ -58,3 +58,19 @@ def open_store(tmp_path: Path) -> Iterator[Callable[..., KVStore]]:
     for store in opened:
         with contextlib.suppress(Exception):  # already closed by the test
             store.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from redis_servers import standalone
+
+    with standalone(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from redis_servers import cluster
+
+    with cluster(tmp_path_factory.mktemp("redis-cluster")) as servers:
+        yield servers

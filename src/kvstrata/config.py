@@ -11,6 +11,7 @@ import platformdirs
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.ladder import CodecLadder
+from kvstrata.tiers.remote import RemoteConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -48,6 +49,8 @@ class StoreConfig:
     eviction: str = "lru"
     promote_on_read: bool = True
     ladder: CodecLadder = field(default_factory=CodecLadder)
+    remote: RemoteConfig | None = None
+    """The shared L4 tier on Redis (``--remote URL`` / ``KVSTRATA_REMOTE``); None: local only."""
 
     def __post_init__(self) -> None:
         for name in ("l1_budget_bytes", "l2_budget_bytes"):

@@ -55,5 +55,9 @@ class SessionNotFoundError(KVStrataError, KeyError):
         return str(self.args[0]) if self.args else "session not found"
 
 
+class SessionConflictError(KVStrataError):
+    """Another engine updated the session since this one read it (optimistic versioning)."""
+
+
 class SessionExistsError(KVStrataError):
     """A session with that id already exists."""

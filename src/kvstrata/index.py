@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     created REAL NOT NULL,
     last_access REAL NOT NULL,
     version INTEGER NOT NULL DEFAULT 1,
+    remote_version INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (namespace, id)
 ) WITHOUT ROWID;
 """
@@ -85,11 +86,12 @@ class SessionRow:
     created: float
     last_access: float
     version: int
+    remote_version: int = 0
 
 
 _SESSION_COLUMNS = (
     "namespace, id, model_fingerprint, token_ids, block_keys, tail_key, num_tokens, priority, "
-    "pinned, ttl_s, parent, created, last_access, version"
+    "pinned, ttl_s, parent, created, last_access, version, remote_version"
 )
 
 
@@ -122,6 +124,9 @@ class Index:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
             self._db.executescript(_SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)").fetchall()}
+            if "remote_version" not in columns:  # stores created before the remote tier existed
+                self._db.execute("ALTER TABLE sessions ADD COLUMN remote_version INTEGER NOT NULL DEFAULT 0")
         except sqlite3.DatabaseError as exc:
             raise StoreFormatError(f"{path}: not a readable kvstrata index ({exc})") from exc
         self.layout = self._check_meta(layout)
@@ -242,7 +247,7 @@ class Index:
     def put_session(self, row: SessionRow) -> None:
         with self.transaction() as db:
             db.execute(
-                f"INSERT OR REPLACE INTO sessions ({_SESSION_COLUMNS}) VALUES ({', '.join('?' * 14)})",
+                f"INSERT OR REPLACE INTO sessions ({_SESSION_COLUMNS}) VALUES ({', '.join('?' * 15)})",
                 (
                     row.namespace,
                     row.id,
@@ -258,6 +263,7 @@ class Index:
                     row.created,
                     row.last_access,
                     row.version,
+                    row.remote_version,
                 ),
             )
 
@@ -329,6 +335,7 @@ def _session_row(row: tuple) -> SessionRow:  # type: ignore[type-arg]
         created,
         last,
         version,
+        remote_version,
     ) = row
     return SessionRow(
         namespace,
@@ -345,4 +352,5 @@ def _session_row(row: tuple) -> SessionRow:  # type: ignore[type-arg]
         created,
         last,
         version,
+        remote_version,
     )

@@ -7,15 +7,20 @@ so a fork shares its parent's blocks by key: copy-on-write falls out of never mo
 
 from __future__ import annotations
 
+import base64
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 
+import crc32c
 import numpy as np
 
 from kvstrata.errors import ConfigError, CorruptBlockError
 from kvstrata.index import SessionRow
 from kvstrata.keys import KEY_BYTES, BlockKey
+
+MANIFEST_FORMAT = 1
 
 
 class Priority(enum.StrEnum):
@@ -91,6 +96,8 @@ class Session:
     last_access: float = field(default_factory=time.time)
     version: int = 0
     checkpointed_tokens: int = 0
+    remote_version: int = 0
+    """The manifest version last published to (or read from) the remote tier."""
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +125,7 @@ class Session:
             self.created,
             self.last_access,
             self.version,
+            self.remote_version,
         )
 
     @classmethod
@@ -145,7 +153,61 @@ class Session:
             row.last_access,
             row.version,
             row.num_tokens,
+            row.remote_version,
         )
+
+    def to_manifest(self) -> bytes:
+        """The session as a self-checking JSON document, for the shared remote tier."""
+        row = self.to_row()
+        body = {
+            "format": MANIFEST_FORMAT,
+            "namespace": row.namespace,
+            "id": row.id,
+            "model_fingerprint": row.model_fingerprint.hex(),
+            "token_ids": base64.b64encode(row.token_ids).decode(),
+            "block_keys": base64.b64encode(row.block_keys).decode(),
+            "tail_key": row.tail_key.hex() if row.tail_key is not None else None,
+            "num_tokens": row.num_tokens,
+            "priority": row.priority,
+            "pinned": row.pinned,
+            "ttl_s": row.ttl_s,
+            "parent": row.parent,
+            "created": row.created,
+            "last_access": row.last_access,
+        }
+        text = json.dumps(body, sort_keys=True)
+        return json.dumps({"crc32c": crc32c.crc32c(text.encode()), "body": text}).encode()
+
+    @classmethod
+    def from_manifest(cls, data: bytes, remote_version: int) -> Session:
+        try:
+            outer = json.loads(data)
+            text = outer["body"]
+            if crc32c.crc32c(text.encode()) != outer["crc32c"]:
+                raise CorruptBlockError("session manifest CRC32C mismatch")
+            body = json.loads(text)
+            if body["format"] != MANIFEST_FORMAT:
+                raise CorruptBlockError(f"unsupported session manifest format {body['format']}")
+            row = SessionRow(
+                body["namespace"],
+                body["id"],
+                bytes.fromhex(body["model_fingerprint"]),
+                base64.b64decode(body["token_ids"]),
+                base64.b64decode(body["block_keys"]),
+                bytes.fromhex(body["tail_key"]) if body["tail_key"] is not None else None,
+                int(body["num_tokens"]),
+                body["priority"],
+                bool(body["pinned"]),
+                body["ttl_s"],
+                body["parent"],
+                float(body["created"]),
+                float(body["last_access"]),
+                0,
+                remote_version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptBlockError(f"malformed session manifest: {exc}") from exc
+        return cls.from_row(row)
 
     def info(self) -> SessionInfo:
         return SessionInfo(

@@ -23,6 +23,7 @@ from kvstrata.block import KVBlock
 from kvstrata.config import StoreConfig, default_store_dir
 from kvstrata.errors import (
     ConfigError,
+    CorruptBlockError,
     KVStrataError,
     SessionExistsError,
     SessionNotFoundError,
@@ -180,10 +181,35 @@ class KVStore:
         session = self._sessions.get((namespace, session_id))
         if session is None:
             row = self.index.get_session(namespace, session_id)
-            if row is None:
+            session = Session.from_row(row) if row is not None else None
+            remote = self._fetch_remote(namespace, session_id)
+            # another engine continued the session since this one last saw it: take its version
+            if remote is not None and (session is None or remote.remote_version > session.remote_version):
+                remote.checkpointed_tokens = remote.num_tokens
+                session = remote
+                if not self.read_only:
+                    self._commit(session)
+            if session is None:
                 return None
-            session = Session.from_row(row)
             self._sessions[(namespace, session_id)] = session
+        return session
+
+    def _fetch_remote(self, namespace: str, session_id: str) -> Session | None:
+        l4 = self.blocks.l4
+        if l4 is None:
+            return None
+        try:
+            found = l4.fetch_manifest(namespace, session_id)
+            if found is None:
+                return None
+            session = Session.from_manifest(found[1], found[0])
+        except (TierUnavailableError, CorruptBlockError) as exc:
+            self.blocks.counters.remote_errors += 1
+            log.warning("remote manifest of %s/%s not used: %s", namespace, session_id, exc)
+            return None
+        if session.model_fingerprint != self.model_fingerprint:
+            log.warning("remote manifest of %s/%s is for other weights; ignored", namespace, session_id)
+            return None
         return session
 
     def session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Session:
@@ -207,6 +233,11 @@ class KVStore:
     def delete_session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         self._writable()
         self._sessions.pop((namespace, session_id), None)
+        if self.blocks.l4 is not None:
+            try:
+                self.blocks.l4.delete_manifest(namespace, session_id)
+            except TierUnavailableError as exc:
+                log.warning("remote manifest of %s/%s not deleted: %s", namespace, session_id, exc)
         return self.index.delete_session(namespace, session_id)
 
     def fork(self, session: Session, child_id: str) -> Session:
@@ -385,6 +416,27 @@ class KVStore:
         session.version += 1
         self._commit(session)
         session.checkpointed_tokens = session.num_tokens
+        self._publish(session)
+
+    def _publish(self, session: Session) -> None:
+        """Share the checkpoint through the remote tier: blocks first, then the manifest by
+        compare-and-set. A remote outage only skips this; a conflict raises (the local
+        checkpoint above is kept, so nothing is lost: fork it to keep both histories)."""
+        l4 = self.blocks.l4
+        if l4 is None or not self.blocks.publish_remote(session.all_keys()):
+            return
+        try:
+            version = l4.publish_manifest(
+                session.namespace, session.id, session.to_manifest(), session.remote_version
+            )
+        except TierUnavailableError as exc:
+            self.blocks.counters.remote_errors += 1
+            log.warning(
+                "session %s/%s not published to the remote tier: %s", session.namespace, session.id, exc
+            )
+            return
+        session.remote_version = version
+        self._commit(session)
 
     def _commit(self, session: Session) -> None:
         self.index.put_session(session.to_row())

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from kvstrata.tiers.base import Tier, TierLevel
 from kvstrata.tiers.device import DeviceTier
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
+from kvstrata.tiers.remote import RedisTier
 from kvstrata.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class StoreCounters:
         default_factory=lambda: {lvl: TierCounters() for lvl in TierLevel}
     )
     corrupt_blocks: int = 0
+    remote_errors: int = 0
     rejected_lossy: int = 0
     reencoded: int = 0
     dropped_dirty: int = 0
@@ -84,6 +86,16 @@ class TieredStore:
             bandwidth_bytes_per_s=config.writer_bandwidth_bytes_per_s,
             on_failure=self._on_write_failure,
         )
+        self.l4: RedisTier | None = None
+        self.remote_writer: BackgroundWriter | None = None
+        if config.remote is not None and not read_only:
+            self.l4 = RedisTier(config.remote, layout)
+            self.remote_writer = BackgroundWriter(
+                self._write_l4,
+                max_queue_bytes=config.writer_queue_bytes,
+                on_failure=self._on_remote_failure,
+                name="kvstrata-remote-writer",
+            )
         self._reencode_queue: queue.Queue[tuple[BlockKey, Codec, KVBlock | None] | None] = queue.Queue()
         self._reencoder = threading.Thread(target=self._reencode_loop, name="kvstrata-reencoder", daemon=True)
         self._reencoder.start()
@@ -219,16 +231,110 @@ class TieredStore:
             self.counters.corrupt_blocks += 1
             log.error("treating foreign block as missing: %s", exc)
             block = None
+        level = TierLevel.L3
+        if block is None and self.l4 is not None:
+            block = self._remote_get(key, max_loss)
+            level = TierLevel.L4
         with self._lock:
             if block is None:
-                for tier in (*self.memory_tiers, self.l3):
+                for tier in (*self.memory_tiers, self.l3, *([self.l4] if self.l4 else [])):
                     self.counters.tiers[tier.level].misses += 1
                 return None
-            self.counters.tiers[TierLevel.L3].hits += 1
+            self.counters.tiers[level].hits += 1
             self._touch(key, block.num_tokens, priority)
+            if level is TierLevel.L4:
+                self.counters.tiers[level].promotions += 1
+                self.writer.submit(block)  # keep a local, durable copy of what another engine wrote
             if self.config.promote_on_read:
-                block = self._promote(block, TierLevel.L3)
-            return block, TierLevel.L3
+                block = self._promote(block, level)
+            return block, level
+
+    # -- the remote tier -------------------------------------------------------------------------
+    def _remote_get(self, key: BlockKey, max_loss: int | None) -> KVBlock | None:
+        assert self.l4 is not None
+        try:
+            block = self.l4.get(key)
+        except TierUnavailableError as exc:
+            self.counters.remote_errors += 1
+            log.debug("remote tier skipped: %s", exc)
+            return None
+        except (CorruptBlockError, LayoutMismatchError) as exc:
+            self.counters.corrupt_blocks += 1
+            log.error("treating corrupt remote block as missing: %s", exc)
+            return None
+        lossy = block is not None and block.encoded is not None and LOSS_RANK[block.encoded.codec]
+        if max_loss is not None and lossy is not False and lossy > max_loss:
+            self.counters.rejected_lossy += 1
+            return None
+        return block
+
+    def prefetch_remote(self, keys: Sequence[BlockKey]) -> int:
+        """Fetch the blocks of ``keys`` that no local tier holds from L4 in one pipelined round
+        trip and keep them locally (L3, and memory as room allows); how many arrived."""
+        if self.l4 is None:
+            return 0
+        missing = [k for k in keys if not self.contains(k)]
+        if not missing:
+            return 0
+        try:
+            fetched = self.l4.get_many(missing)
+        except TierUnavailableError as exc:
+            self.counters.remote_errors += 1
+            log.debug("remote prefetch skipped: %s", exc)
+            return 0
+        arrived = [b for b in fetched if b is not None]
+        with self._lock:
+            for block in arrived:
+                self.counters.tiers[TierLevel.L4].hits += 1
+                self._touch(block.key, block.num_tokens)
+                self._place(block, 0)
+        for block in arrived:
+            self.writer.submit(block)
+        return len(arrived)
+
+    def publish_remote(self, keys: Sequence[BlockKey]) -> bool:
+        """Make sure L4 holds every block of ``keys`` (pipelined), so another engine can load a
+        session whose manifest names them; False when the remote tier is unavailable."""
+        if self.l4 is None:
+            return False
+        if self.remote_writer is not None:
+            self.remote_writer.flush(keys)
+        try:
+            present = self.l4.contains_many(keys)
+            missing = [k for k, here in zip(keys, present, strict=True) if not here]
+            blocks = [b for k in missing if (b := self._local_copy(k)) is not None]
+            if len(blocks) < len(missing):
+                return False
+            if blocks:
+                self.l4.put_many(blocks)
+        except TierUnavailableError as exc:
+            self.counters.remote_errors += 1
+            log.warning("remote tier unavailable, session not published: %s", exc)
+            return False
+        return True
+
+    def _local_copy(self, key: BlockKey) -> KVBlock | None:
+        with self._lock:
+            for tier in self.memory_tiers:
+                block = tier.get(key)
+                if block is not None:
+                    if block.tensor is not None:
+                        block = KVBlock(key, block.num_tokens, block.start_pos, block.tensor.clone())
+                    return self._fit(block, TierLevel.L3)
+            pending = self.writer.pending(key)
+            if pending is not None:
+                return pending
+        try:
+            return self.l3.get(key)
+        except KVStrataError:
+            return None
+
+    def _write_l4(self, block: KVBlock) -> bool:
+        assert self.l4 is not None
+        return self.l4.put(block)
+
+    def _on_remote_failure(self, block: KVBlock, error: Exception) -> None:
+        self.counters.remote_errors += 1
 
     def get(self, key: BlockKey) -> KVBlock | None:
         found = self.lookup(key)
@@ -255,6 +361,8 @@ class TieredStore:
                 submit = self._fit(block, TierLevel.L3)
         if submit is not None:
             self.writer.submit(submit)  # may wait for queue room: outside the lock
+            if self.remote_writer is not None and self.config.remote.write_through:  # type: ignore[union-attr]
+                self.remote_writer.submit(submit)
 
     def age_out(self, keys: Iterable[BlockKey]) -> None:
         """``keys`` left their session's recent window: re-encode them down the ladder, off the
@@ -393,6 +501,8 @@ class TieredStore:
         replace = current is not None and block.encoded is not None and current != block.encoded.codec
         ok = self.l3.put(block, replace=replace)
         self._failed_writes.discard(block.key)
+        if self.remote_writer is not None and not self.config.remote.write_through:  # type: ignore[union-attr]
+            self.remote_writer.submit(block)  # write-behind: L4 follows L3, off the request path
         return ok
 
     def _on_write_failure(self, block: KVBlock, error: Exception) -> None:
@@ -433,12 +543,17 @@ class TieredStore:
         """Wait for queued re-encodes and writes."""
         self._reencode_queue.join()
         self.writer.flush()
+        if self.remote_writer is not None:
+            self.remote_writer.flush()
 
     def close(self) -> None:
         self._reencode_queue.join()
         self._reencode_queue.put(None)
         self._reencoder.join()
         self.writer.close(flush=True)
+        if self.remote_writer is not None and self.l4 is not None:
+            self.remote_writer.close(flush=True)
+            self.l4.close()
         self.l3.close()
         for tier in self.memory_tiers:
             tier.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvstrata.tiers.device import DeviceTier
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.host import HostTier
 from kvstrata.tiers.memory import MemoryTier
+from kvstrata.tiers.remote import RedisTier, RemoteConfig
 
 from conftest import LAYOUT, make_block
 
@@ -40,9 +42,26 @@ def _disk(tmp: Path) -> Tier:
     return DiskTier(tmp, LAYOUT, index, budget_bytes=CAPACITY_BLOCKS * (LAYOUT.bytes_per_block + 96))
 
 
-@pytest.fixture(params=[_memory, _device, _host, _disk], ids=["memory", "L1-device", "L2-host", "L3-disk"])
+def _redis(request: pytest.FixtureRequest, cluster: bool) -> Tier:
+    servers = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    url = servers[0].url if cluster else servers.url
+    # a fresh key prefix per test: the servers are shared by the whole test session
+    return RedisTier(RemoteConfig(url, cluster=cluster, prefix=f"test-{uuid.uuid4().hex[:8]}"), LAYOUT)
+
+
+@pytest.fixture(
+    params=["memory", "L1-device", "L2-host", "L3-disk", "L4-redis", "L4-redis-cluster"],
+)
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
-    t = request.param(tmp_path)
+    factories: dict[str, Callable[[], Tier]] = {
+        "memory": lambda: _memory(tmp_path),
+        "L1-device": lambda: _device(tmp_path),
+        "L2-host": lambda: _host(tmp_path),
+        "L3-disk": lambda: _disk(tmp_path),
+        "L4-redis": lambda: _redis(request, cluster=False),
+        "L4-redis-cluster": lambda: _redis(request, cluster=True),
+    }
+    t = factories[request.param]()
     yield t
     t.close()
 
@@ -89,6 +108,13 @@ def test_put_is_idempotent(tier: Tier) -> None:
 
 def test_usage_and_budget(tier: Tier) -> None:
     assert tier.usage().blocks == 0 and tier.usage().used_bytes == 0
+    if tier.usage().budget_bytes is None:  # a remote tier: its server's maxmemory governs
+        blocks = [make_block(LAYOUT, 10 + i) for i in range(6)]
+        assert all(tier.put(b) for b in blocks)
+        usage = tier.usage()
+        assert usage.blocks == 6 and usage.used_bytes >= 6 * LAYOUT.bytes_per_block
+        assert sorted(tier.keys()) == sorted(b.key for b in blocks)
+        return
     blocks = []
     for i in range(10_000):  # fill until the tier says "no room"
         block = make_block(LAYOUT, 10 + i)

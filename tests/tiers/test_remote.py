@@ -1,0 +1,101 @@
+"""The Redis tier beyond conformance: batching, corruption, manifests, and faults (real servers)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvstrata import CorruptBlockError, SessionConflictError, TierUnavailableError
+from kvstrata.tiers.remote import RedisTier, RemoteConfig
+
+from conftest import LAYOUT, make_block
+from redis_servers import RedisServer
+
+
+def _tier(url: str, **options: object) -> RedisTier:
+    return RedisTier(RemoteConfig(url, prefix=f"t-{uuid.uuid4().hex[:8]}", **options), LAYOUT)  # type: ignore[arg-type]
+
+
+def test_pipelined_get_many(redis_server: RedisServer) -> None:
+    tier = _tier(redis_server.url)
+    blocks = [make_block(LAYOUT, seed) for seed in range(5)]
+    tier.put_many(blocks)
+    got = tier.get_many([b.key for b in blocks] + [make_block(LAYOUT, 99).key])
+    assert got[-1] is None
+    for block, fetched in zip(blocks, got[:-1], strict=True):
+        assert fetched is not None and fetched.encoded == block.encode()
+
+
+def test_ttl_is_applied(redis_server: RedisServer) -> None:
+    tier = _tier(redis_server.url, ttl_s=100)
+    block = make_block(LAYOUT, 1)
+    tier.put(block)
+    ttl = redis.Redis.from_url(redis_server.url).ttl(tier._name(block.key))
+    assert 0 < ttl <= 100
+
+
+def test_corrupt_value_is_detected_and_deleted(redis_server: RedisServer) -> None:
+    tier = _tier(redis_server.url)
+    block = make_block(LAYOUT, 2)
+    tier.put(block)
+    raw = redis.Redis.from_url(redis_server.url)
+    value = bytearray(raw.get(tier._name(block.key)))  # type: ignore[arg-type]
+    value[150] ^= 0x01
+    raw.set(tier._name(block.key), bytes(value))
+    with pytest.raises(CorruptBlockError, match="CRC32C"):
+        tier.get(block.key)
+    assert not tier.contains(block.key)  # never served again, by this engine or another
+
+
+def test_manifest_compare_and_set(redis_server: RedisServer) -> None:
+    engine_a, engine_b = _tier(redis_server.url), _tier(redis_server.url)
+    engine_b._session_prefix = engine_a._session_prefix  # two engines, one Redis namespace
+    assert engine_a.fetch_manifest("ns", "s") is None
+    assert engine_a.publish_manifest("ns", "s", b"v1 from A", 0) == 1
+    assert engine_b.fetch_manifest("ns", "s") == (1, b"v1 from A")
+    assert engine_b.publish_manifest("ns", "s", b"v2 from B", 1) == 2
+    with pytest.raises(SessionConflictError, match="another engine"):
+        engine_a.publish_manifest("ns", "s", b"v2 from A", 1)  # A's view is stale
+    assert engine_a.fetch_manifest("ns", "s") == (2, b"v2 from B")  # nothing was overwritten
+
+
+def test_down_redis_fails_fast_and_the_breaker_opens(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "r")
+    tier = _tier(server.url, timeout_s=0.2, failures_to_open=2, reset_after_s=0.5)
+    block = make_block(LAYOUT, 3)
+    tier.put(block)
+    server.stop()
+    for _ in range(2):
+        with pytest.raises(TierUnavailableError):
+            tier.get(block.key)
+    assert tier.breaker.open and tier.breaker.trips == 1
+    started = time.monotonic()
+    for _ in range(100):
+        with pytest.raises(TierUnavailableError, match="circuit open"):
+            tier.get(block.key)
+    assert time.monotonic() - started < 1.0  # refused without touching the network
+    server.start()  # same port, empty (no persistence)
+    time.sleep(0.6)  # past reset_after_s: the next call is a trial
+    assert tier.get(block.key) is None and not tier.breaker.open
+    tier.put(block)
+    assert tier.get(block.key) is not None
+    server.stop()
+
+
+def test_hung_redis_times_out(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "r")
+    tier = _tier(server.url, timeout_s=0.2)
+    tier.put(make_block(LAYOUT, 4))
+    server.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TierUnavailableError):
+            tier.get(make_block(LAYOUT, 4).key)
+        assert time.monotonic() - started < 2.0
+    finally:
+        server.resume()
+        server.stop()
