@@ -70,6 +70,7 @@ def test_demo_runs_and_verifies(tmp_path: Path) -> None:
     result = runner.invoke(
         app,
         [
+            "store",
             "demo",
             "--store",
             str(tmp_path / "demo"),

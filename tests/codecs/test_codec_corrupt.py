@@ -12,11 +12,12 @@ import struct
 
 import pytest
 import zstandard
-from codec_builders import make_block, make_layout
 
 from kvstrata.codecs import BlockContext, EncodedBlock, decode, get_codec
 from kvstrata.errors import CorruptBlockError
 from kvstrata.layout import KVLayout
+
+from codec_builders import make_block, make_layout
 
 SPECS = [
     ("lossless", {}),

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from codec_builders import make_block, make_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.codecs import BlockContext, decode, get_codec
 from kvstrata.codecs._bytes import Backend
 from kvstrata.layout import KVLayout
+
+from codec_builders import make_block, make_layout
 
 BIT_EXACT = [
     ("identity", {}),

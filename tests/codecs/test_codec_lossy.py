@@ -15,11 +15,12 @@ import struct
 import pytest
 import torch
 import zstandard
-from codec_builders import make_block, make_layout
 
 from kvstrata.codecs import BlockContext, decode, get_codec
 from kvstrata.errors import CodecError
 from kvstrata.layout import KVLayout
+
+from codec_builders import make_block, make_layout
 
 OUTPUT_ROUNDING = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_builders import make_block, make_layout
 
 from kvstrata.codecs import (
     BlockContext,
@@ -17,6 +16,8 @@ from kvstrata.codecs import (
     get_codec,
 )
 from kvstrata.errors import ConfigError, CorruptBlockError
+
+from codec_builders import make_block, make_layout
 
 EXPECTED_NAMES = {
     CodecId.IDENTITY: "identity",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_builders import make_block, make_layout
 
 from kvstrata.codecs import BlockContext, codec_names, decode, get_codec
+
+from codec_builders import make_block, make_layout
 
 LOSSLESS = {"identity", "lossless", "delta"}
 # Loose sanity ceilings on max |error| for a unit-normal block (|x| < ~5); exact bounds live in

@@ -1,4 +1,4 @@
-"""``kvstrata demo``: the store's own demo (agents sharing a system prompt, a restart, a verify).
+"""``kvstrata store demo``: the store on its own (agents sharing a prefix, a restart, a verify).
 
 It uses the SmolLM2-135M geometry with deterministic synthetic KV, so it runs without a model:
 several agents share a system prompt and append turns; the store is closed and reopened (as a
@@ -37,7 +37,7 @@ def synthetic_kv(layout: KVLayout, token_ids: list[int], start_pos: int) -> torc
     return (base * torch.sin(tok * 0.37 + pos * 0.011)).to(layout.torch_dtype)
 
 
-def demo(
+def store_demo(
     store: Annotated[
         Path | None, typer.Option("--store", help="Store directory (default: a temporary one).")
     ] = None,

@@ -1,0 +1,105 @@
+"""``kvstrata eval``: measurement harnesses run on a real model (``eval codecs``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstrata.cli.common import JsonOption, console, err_console, fail, print_json
+from kvstrata.codecs import codec_names
+from kvstrata.errors import KVStrataError
+
+# The defaults of kvstrata.eval.codec_quality, written out: importing it imports transformers,
+# which would add seconds to every other ``kvstrata`` command.
+DEFAULT_CONTEXT_TOKENS = 512
+DEFAULT_EVAL_TOKENS = 128
+
+eval_app = typer.Typer(help="Measure kvstrata's parts on a real model.", no_args_is_help=True)
+
+
+@eval_app.command("codecs")
+def codecs_cmd(
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
+    ] = None,
+    context_tokens: Annotated[
+        int, typer.Option("--context-tokens", min=1, help="Tokens prefilled before the scored ones.")
+    ] = DEFAULT_CONTEXT_TOKENS,
+    eval_tokens: Annotated[
+        int, typer.Option("--eval-tokens", min=1, help="Tokens teacher-forced and scored, per codec.")
+    ] = DEFAULT_EVAL_TOKENS,
+    codecs: Annotated[
+        str | None, typer.Option("--codecs", help="Comma-separated codec names (default: all).")
+    ] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Perplexity, KL, top-1 agreement, size and speed of each codec on a public-domain text."""
+    from kvstrata.eval.codec_quality import eval_token_ids, evaluate_codecs
+    from kvstrata.integrations.transformers.model import load_model
+
+    names = [name.strip() for name in codecs.split(",") if name.strip()] if codecs else codec_names()
+    started = time.perf_counter()
+    try:
+        loaded = load_model(model, progress=not json_out)
+        token_ids = eval_token_ids(loaded)
+        # One bar over all teacher-forced steps: the reference run, then one run per codec.
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("prefill and encode", total=eval_tokens * (len(names) + 1))
+
+            def on_step(label: str, _done: int) -> None:
+                progress.update(task, advance=1, description=label)
+
+            results = evaluate_codecs(loaded, token_ids, names, context_tokens, eval_tokens, on_step=on_step)
+    except KVStrataError as exc:
+        fail(str(exc))
+    elapsed_s = time.perf_counter() - started
+    if json_out:
+        print_json([row.summary() for row in results])
+        return
+    ref_ppl = results[0].ppl_reference if results else float("nan")
+    table = Table(
+        title=(
+            f"codec quality on {loaded.name}: {context_tokens} context + {eval_tokens} scored tokens, "
+            f"reference ppl {ref_ppl:.3f} ({elapsed_s:.0f} s)"
+        )
+    )
+    for column in (
+        "codec",
+        "ratio",
+        "vs fp16",
+        "ppl Δ %",
+        "KL",
+        "top-1",
+        "enc GB/s",
+        "dec GB/s",
+        "memcpy GB/s",
+        "bit-exact",
+    ):
+        table.add_column(column, justify="left" if column == "codec" else "right")
+    for row in results:
+        table.add_row(
+            row.codec,
+            f"{row.ratio:.2f}x",
+            f"{row.ratio_vs_fp16:.2f}x",
+            f"{row.ppl_delta_pct:+.3f}",
+            f"{row.kl:.2e}",
+            f"{row.top1 * 100:.1f}%",
+            f"{row.encode_gbps:.3f}",
+            f"{row.decode_gbps:.3f}",
+            f"{row.memcpy_gbps:.2f}",
+            "yes" if row.bit_exact else "no",
+        )
+    console.print(table)

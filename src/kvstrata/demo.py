@@ -1,0 +1,156 @@
+"""The main job: agents that share a system prompt, talk for several turns, survive a restart.
+
+``kvstrata demo`` runs two phases, each in its own process (a real restart in between): phase 1
+plays the first half of every agent's turns, phase 2 continues the same sessions from the store on
+disk. Every turn is measured twice, side by side in the same process: with kvstrata (reuse what
+the store holds, prefill the rest) and as a full recompute of the same prompt. Phases report JSON
+lines on stdout; the ``demo`` command collects them into one table.
+
+    python -m kvstrata.demo PHASE STORE_DIR [options]      (what ``kvstrata demo`` spawns)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+ROLES = ["historian", "lawyer", "poet", "economist", "teacher", "journalist", "critic", "translator"]
+PRIORITIES = ["realtime", "interactive", "background"]
+QUESTIONS = [
+    "In two sentences, who is Joseph and why do his brothers resent him?",
+    "What happens to Joseph in Egypt? Answer briefly.",
+    "Which dream does Joseph interpret for Pharaoh, and what does it foretell?",
+    "Why do the brothers travel to Egypt? Keep it short.",
+    "What lesson would your audience take from this story?",
+    "Name one detail of the story that a reader might overlook.",
+]
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    agent: str
+    priority: str
+    turn: int
+    phase: int
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    prefill_tokens: int
+    ttft_ms: float
+    recompute_ttft_ms: float
+    same_output: bool
+    reply: str
+
+
+def shared_context(max_chars: int) -> str:
+    text = resources.files("kvstrata.eval").joinpath("data/kjv_genesis_37_43.txt").read_text()
+    return text[:max_chars].rsplit(" ", 1)[0]
+
+
+def system_prompt(agent: int, context_chars: int) -> str:
+    # the shared text comes first, so every agent's prompt starts with the same token blocks
+    return (
+        "You are one of several assistant agents working from the same reference text.\n\n"
+        f"REFERENCE TEXT:\n{shared_context(context_chars)}\n\n"
+        f"You are agent {agent}, a {ROLES[agent % len(ROLES)]}. Answer briefly."
+    )
+
+
+def run_phase(args: argparse.Namespace) -> None:
+    import torch
+
+    from kvstrata import KVStore, StoreConfig
+    from kvstrata.config import MiB
+    from kvstrata.engine import Engine
+    from kvstrata.integrations.transformers.model import load_model
+
+    torch.manual_seed(0)
+    loaded = load_model(args.model, attn_implementation="sdpa", progress=True)
+    layout = loaded.layout(64)
+    config = StoreConfig(l1_budget_bytes=args.l1_mib * MiB, l2_budget_bytes=args.l2_mib * MiB)
+    transcripts_path = Path(args.store) / "demo-transcripts.json"
+    transcripts: dict[str, list[dict[str, str]]] = (
+        json.loads(transcripts_path.read_text()) if transcripts_path.exists() else {}
+    )
+    first, last = (1, args.turns // 2) if args.phase == 1 else (args.turns // 2 + 1, args.turns)
+    with KVStore(Path(args.store), layout, model_fingerprint=loaded.fingerprint, config=config) as store:
+        engine = Engine(loaded, store)
+        # one throwaway request first: the first forward pass pays one-time costs (allocator, kernels)
+        engine.chat("warm-up", [{"role": "user", "content": "Hello"}], max_new_tokens=2, use_cache=False)
+        for turn in range(first, last + 1):
+            for agent in range(args.agents):
+                sid = f"agent-{agent}"
+                priority = PRIORITIES[agent % len(PRIORITIES)]
+                messages = transcripts.setdefault(
+                    sid, [{"role": "system", "content": system_prompt(agent, args.context_chars)}]
+                )
+                messages.append({"role": "user", "content": QUESTIONS[(turn - 1 + agent) % len(QUESTIONS)]})
+                reused = engine.chat(sid, messages, max_new_tokens=args.max_new_tokens, priority=priority)
+                baseline = engine.chat(sid, messages, max_new_tokens=args.max_new_tokens, use_cache=False)
+                messages.append({"role": "assistant", "content": reused.text})
+                record = TurnRecord(
+                    sid,
+                    priority,
+                    turn,
+                    args.phase,
+                    reused.prompt_tokens,
+                    reused.cached_tokens,
+                    {k: v for k, v in reused.cached_by_tier.items() if v},
+                    reused.prefill_tokens,
+                    round(reused.ttft_ms, 1),
+                    round(baseline.ttft_ms, 1),
+                    reused.token_ids == baseline.token_ids,
+                    reused.text,
+                )
+                print(json.dumps({"turn": asdict(record)}), flush=True)
+        # the transcripts are what a client would keep; written atomically like everything else
+        tmp = transcripts_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(transcripts))
+        tmp.replace(transcripts_path)
+        if args.phase == 2:
+            store.flush()
+            stats = store.stats()
+            sessions = [store.session(f"agent-{a}") for a in range(args.agents)]
+            logical = sum(layout.block_nbytes(s.num_tokens) for s in sessions)
+            tiers = {
+                t.tier: {"blocks": t.blocks, "bytes": t.used_bytes, "by_codec": t.bytes_by_codec}
+                for t in stats.tiers
+            }
+            print(
+                json.dumps(
+                    {
+                        "store": {
+                            "logical_kv_bytes": logical,
+                            "tiers": tiers,
+                            "sessions_tokens": [s.num_tokens for s in sessions],
+                        }
+                    }
+                ),
+                flush=True,
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvstrata.demo", description=__doc__)
+    parser.add_argument("phase", type=int, choices=[1, 2])
+    parser.add_argument("store")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--agents", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--context-chars", type=int, default=7000)
+    parser.add_argument("--l1-mib", type=int, default=256)
+    parser.add_argument("--l2-mib", type=int, default=256)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    run_phase(args)
+    print(json.dumps({"phase_seconds": round(time.perf_counter() - started, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
