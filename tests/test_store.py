@@ -317,3 +317,21 @@ def test_put_of_known_block_is_deduplicated(open_store: Factory) -> None:
     store.blocks.put(KVBlock(block.key, block.num_tokens, 0, tensor=block.tensor.clone()))  # type: ignore[union-attr]
     store.flush()
     assert store.blocks.writer.written_blocks == 1
+
+
+def test_watermark_demotion_runs_in_the_background_down_to_the_low_mark(open_store: Factory) -> None:
+    store = open_store(
+        l1_budget_bytes=20 * BLOCK, l2_budget_bytes=1 << 20, high_watermark=0.5, low_watermark=0.25
+    )
+    blocks = [make_block(LAYOUT, seed) for seed in range(12)]  # 12 of 20 slots: above the high mark, not full
+    for block in blocks:
+        store.blocks.put(block)
+    store.blocks.wait_demotions()
+    l1 = store.blocks.l1
+    assert l1.usage().used_bytes <= 0.25 * l1.budget_bytes
+    assert store.blocks.counters.tiers[TierLevel.L1].demotions == 12 - 5
+    # the least recently used went first, and every block is still served, bit-exact
+    assert all(not l1.contains(b.key) for b in blocks[:7]) and all(l1.contains(b.key) for b in blocks[7:])
+    for block in blocks:
+        found = store.blocks.lookup(block.key)
+        assert found is not None and torch.equal(_bits(found[0].decoded(LAYOUT)), _bits(block.tensor))  # type: ignore[arg-type]

@@ -68,11 +68,13 @@ def run_phase(args: argparse.Namespace) -> None:
     from kvstrata.config import MiB
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
+    from kvstrata.tiers.remote import RemoteConfig
 
     torch.manual_seed(0)
     loaded = load_model(args.model, attn_implementation="sdpa", progress=True)
     layout = loaded.layout(64)
-    config = StoreConfig(l1_budget_bytes=args.l1_mib * MiB, l2_budget_bytes=args.l2_mib * MiB)
+    remote = RemoteConfig(args.remote, cluster=args.remote_cluster) if args.remote else None
+    config = StoreConfig(l1_budget_bytes=args.l1_mib * MiB, l2_budget_bytes=args.l2_mib * MiB, remote=remote)
     transcripts_path = Path(args.store) / "demo-transcripts.json"
     transcripts: dict[str, list[dict[str, str]]] = (
         json.loads(transcripts_path.read_text()) if transcripts_path.exists() else {}
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-chars", type=int, default=7000)
     parser.add_argument("--l1-mib", type=int, default=256)
     parser.add_argument("--l2-mib", type=int, default=256)
+    parser.add_argument("--remote", default=None)
+    parser.add_argument("--remote-cluster", action="store_true")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     run_phase(args)

@@ -99,6 +99,12 @@ class TieredStore:
         self._reencode_queue: queue.Queue[tuple[BlockKey, Codec, KVBlock | None] | None] = queue.Queue()
         self._reencoder = threading.Thread(target=self._reencode_loop, name="kvstrata-reencoder", daemon=True)
         self._reencoder.start()
+        self._closing = False
+        self._demote_wanted = threading.Event()
+        self._demote_idle = threading.Event()
+        self._demote_idle.set()
+        self._demoter = threading.Thread(target=self._demote_loop, name="kvstrata-demoter", daemon=True)
+        self._demoter.start()
 
     # -- stats and holds -------------------------------------------------------------------------
     def _touch(self, key: BlockKey, num_tokens: int, priority: Priority | None = None) -> BlockStats:
@@ -461,26 +467,71 @@ class TieredStore:
             freed_any = True
         return freed_any
 
-    def _enforce_watermark(self, index: int) -> None:
-        tier = self.memory_tiers[index]
-        usage = tier.usage()
-        budget = usage.budget_bytes or 0
-        if usage.used_bytes <= self.config.high_watermark * budget:
-            return
-        target = self.config.low_watermark * budget
-        for key in self._candidates(index):
-            if tier.usage().used_bytes <= target:
-                break
-            self._demote(key, index)
+    def _over_high(self, index: int) -> bool:
+        usage = self.memory_tiers[index].usage()
+        return usage.used_bytes > self.config.high_watermark * (usage.budget_bytes or 0)
 
-    def _demote(self, key: BlockKey, index: int) -> None:
+    def _enforce_watermark(self, index: int) -> None:
+        # Above the high watermark the demoter thread brings the tier down to the low one, so the
+        # encoding for the tier below runs off the request path; a put only demotes inline when
+        # the tier is completely full (``_make_room``).
+        if self._over_high(index):
+            self._demote_wanted.set()
+
+    def _demote_loop(self) -> None:
+        while not self._closing:
+            self._demote_wanted.wait()
+            if self._closing:
+                return
+            self._demote_idle.clear()
+            self._demote_wanted.clear()
+            try:
+                for index in range(len(self.memory_tiers)):
+                    self._demote_to_low_watermark(index)
+            finally:
+                self._demote_idle.set()
+
+    def _demote_to_low_watermark(self, index: int) -> None:
         tier = self.memory_tiers[index]
-        block = tier.get(key)
+        with self._lock:
+            if not self._over_high(index):
+                return
+            target = self.config.low_watermark * (tier.usage().budget_bytes or 0)
+            order = self._candidates(index)
+        for key in order:
+            if tier.usage().used_bytes <= target or self._closing:
+                return
+            with self._lock:  # snapshot: copy the block out, readers keep finding it meanwhile
+                block = tier.get(key)
+                stats = self._stats.get(key)
+                if block is None or (stats is not None and stats.ref_count > 0):
+                    continue
+                if block.tensor is not None:
+                    block = KVBlock(key, block.num_tokens, block.start_pos, block.tensor.clone())
+            below = self.memory_tiers[index + 1] if index + 1 < len(self.memory_tiers) else None
+            encoded = self._fit(block, below.level if below is not None else TierLevel.L3)  # outside the lock
+            with self._lock:
+                stats = self._stats.get(key)
+                if not tier.contains(key) or (stats is not None and stats.ref_count > 0):
+                    continue  # read or removed meanwhile: leave it be
+                self._demote(key, index, encoded)
+
+    def wait_demotions(self) -> None:
+        """Wait until the demoter thread is idle (tests and benchmarks use it)."""
+        while self._demote_wanted.is_set() or not self._demote_idle.is_set():
+            if self._closing:
+                return
+            self._demote_idle.wait(0.01)
+
+    def _demote(self, key: BlockKey, index: int, block: KVBlock | None = None) -> None:
+        tier = self.memory_tiers[index]
         if block is None:
-            return
-        if block.tensor is not None:
-            # an L1 view: copy out before the slot is freed and reused
-            block = KVBlock(block.key, block.num_tokens, block.start_pos, block.tensor.clone())
+            block = tier.get(key)
+            if block is None:
+                return
+            if block.tensor is not None:
+                # an L1 view: copy out before the slot is freed and reused
+                block = KVBlock(block.key, block.num_tokens, block.start_pos, block.tensor.clone())
         tier.remove(key)
         self.counters.tiers[tier.level].demotions += 1
         if index + 1 < len(self.memory_tiers) and self._place(block, index + 1) is not None:
@@ -540,13 +591,17 @@ class TieredStore:
         self.l3.remove(key)
 
     def flush(self) -> None:
-        """Wait for queued re-encodes and writes."""
+        """Wait for demotions, queued re-encodes and writes."""
+        self.wait_demotions()
         self._reencode_queue.join()
         self.writer.flush()
         if self.remote_writer is not None:
             self.remote_writer.flush()
 
     def close(self) -> None:
+        self._closing = True
+        self._demote_wanted.set()
+        self._demoter.join()
         self._reencode_queue.join()
         self._reencode_queue.put(None)
         self._reencoder.join()

@@ -15,7 +15,16 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvstrata.cli.common import JsonOption, console, err_console, fail, print_json
+from kvstrata.cli.common import (
+    JsonOption,
+    RemoteClusterOption,
+    RemoteOption,
+    console,
+    err_console,
+    fail,
+    print_json,
+    remote_config,
+)
 from kvstrata.config import MiB, default_store_dir
 
 
@@ -58,6 +67,8 @@ def demo(
     turns: Annotated[int, typer.Option(min=2, help="Turns per agent (half before the restart).")] = 4,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 12,
     context_chars: Annotated[int, typer.Option(min=100, help="Characters of shared reference text.")] = 7000,
+    remote: RemoteOption = None,
+    remote_cluster: RemoteClusterOption = False,
     json_out: JsonOption = False,
 ) -> None:
     """Agents sharing a system prompt talk for several turns; the process restarts halfway.
@@ -78,6 +89,9 @@ def demo(
     ]
     if model:
         extra += ["--model", model]
+    if remote:
+        remote_config(remote, remote_cluster)  # validate before starting the processes
+        extra += ["--remote", remote] + (["--remote-cluster"] if remote_cluster else [])
     records: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     for phase in (1, 2):

@@ -16,8 +16,17 @@ from typing import Annotated
 
 import typer
 
-from kvstrata.cli.common import JsonOption, NamespaceOption, err_console, fail, print_json
-from kvstrata.config import default_store_dir
+from kvstrata.cli.common import (
+    JsonOption,
+    NamespaceOption,
+    RemoteClusterOption,
+    RemoteOption,
+    err_console,
+    fail,
+    print_json,
+    remote_config,
+)
+from kvstrata.config import StoreConfig, default_store_dir
 from kvstrata.errors import KVStrataError
 from kvstrata.sessions import Priority, validate_session_id
 
@@ -52,6 +61,8 @@ def chat(
         Path | None,
         typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
     ] = None,
+    remote: RemoteOption = None,
+    remote_cluster: RemoteClusterOption = False,
 ) -> None:
     """Send a message in a session and print the answer (streamed), reusing cached KV."""
     from kvstrata.engine import Engine
@@ -69,7 +80,8 @@ def chat(
         if not messages and system:
             messages.append({"role": "system", "content": system})
         inputs = [message] if message is not None else _stdin_messages()
-        with KVStore(root, layout, model_fingerprint=loaded.fingerprint) as kv:
+        config = StoreConfig(remote=remote_config(remote, remote_cluster))
+        with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
             engine = Engine(loaded, kv)
             for text in inputs:
                 messages.append({"role": "user", "content": text})

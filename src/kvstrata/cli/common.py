@@ -14,6 +14,7 @@ from rich.console import Console
 from kvstrata.config import StoreConfig, default_store_dir
 from kvstrata.errors import KVStrataError
 from kvstrata.store import KVStore
+from kvstrata.tiers.remote import RemoteConfig
 
 console = Console()
 err_console = Console(stderr=True)
@@ -25,6 +26,18 @@ StoreOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+RemoteOption = Annotated[
+    str | None,
+    typer.Option(
+        "--remote", envvar="KVSTRATA_REMOTE", help="Shared L4 tier: redis://host:port (or rediss://)."
+    ),
+]
+RemoteClusterOption = Annotated[
+    bool,
+    typer.Option(
+        "--remote-cluster", envvar="KVSTRATA_REMOTE_CLUSTER", help="The --remote URL is a Redis Cluster."
+    ),
+]
 NamespaceOption = Annotated[str, typer.Option("--namespace", "-n", help="Namespace (tenant) of the session.")]
 
 
@@ -36,6 +49,15 @@ def open_store(store: Path | None, *, read_only: bool = False) -> KVStore:
         fail(f"no kvstrata store at {root} (use --store or KVSTRATA_STORE)")
     try:
         return KVStore(root, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0), read_only=read_only)
+    except KVStrataError as exc:
+        fail(str(exc))
+
+
+def remote_config(url: str | None, cluster: bool) -> RemoteConfig | None:
+    if url is None:
+        return None
+    try:
+        return RemoteConfig(url, cluster=cluster)
     except KVStrataError as exc:
         fail(str(exc))
 
