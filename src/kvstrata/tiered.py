@@ -103,6 +103,7 @@ class TieredStore:
         self._demote_wanted = threading.Event()
         self._demote_idle = threading.Event()
         self._demote_idle.set()
+        self._demote_requests: list[BlockKey] = []
         self._demoter = threading.Thread(target=self._demote_loop, name="kvstrata-demoter", daemon=True)
         self._demoter.start()
 
@@ -486,10 +487,22 @@ class TieredStore:
             self._demote_idle.clear()
             self._demote_wanted.clear()
             try:
+                with self._lock:
+                    requested, self._demote_requests = self._demote_requests, []
+                if self.memory_tiers and self.memory_tiers[0].level is TierLevel.L1:
+                    for key in requested:
+                        self._demote_one(0, key)
                 for index in range(len(self.memory_tiers)):
                     self._demote_to_low_watermark(index)
             finally:
                 self._demote_idle.set()
+
+    def demote_from_l1(self, keys: Iterable[BlockKey]) -> None:
+        """Move ``keys`` out of device memory in the background (for example the blocks of
+        sessions that are no longer resident); blocks in use are left where they are."""
+        with self._lock:
+            self._demote_requests.extend(keys)
+        self._demote_wanted.set()
 
     def _demote_to_low_watermark(self, index: int) -> None:
         tier = self.memory_tiers[index]
@@ -501,20 +514,24 @@ class TieredStore:
         for key in order:
             if tier.usage().used_bytes <= target or self._closing:
                 return
-            with self._lock:  # snapshot: copy the block out, readers keep finding it meanwhile
-                block = tier.get(key)
-                stats = self._stats.get(key)
-                if block is None or (stats is not None and stats.ref_count > 0):
-                    continue
-                if block.tensor is not None:
-                    block = KVBlock(key, block.num_tokens, block.start_pos, block.tensor.clone())
-            below = self.memory_tiers[index + 1] if index + 1 < len(self.memory_tiers) else None
-            encoded = self._fit(block, below.level if below is not None else TierLevel.L3)  # outside the lock
-            with self._lock:
-                stats = self._stats.get(key)
-                if not tier.contains(key) or (stats is not None and stats.ref_count > 0):
-                    continue  # read or removed meanwhile: leave it be
-                self._demote(key, index, encoded)
+            self._demote_one(index, key)
+
+    def _demote_one(self, index: int, key: BlockKey) -> None:
+        tier = self.memory_tiers[index]
+        with self._lock:  # snapshot: copy the block out, readers keep finding it meanwhile
+            block = tier.get(key)
+            stats = self._stats.get(key)
+            if block is None or (stats is not None and stats.ref_count > 0):
+                return
+            if block.tensor is not None:
+                block = KVBlock(key, block.num_tokens, block.start_pos, block.tensor.clone())
+        below = self.memory_tiers[index + 1] if index + 1 < len(self.memory_tiers) else None
+        encoded = self._fit(block, below.level if below is not None else TierLevel.L3)  # outside the lock
+        with self._lock:
+            stats = self._stats.get(key)
+            if not tier.contains(key) or (stats is not None and stats.ref_count > 0):
+                return  # read or removed meanwhile: leave it be
+            self._demote(key, index, encoded)
 
     def wait_demotions(self) -> None:
         """Wait until the demoter thread is idle (tests and benchmarks use it)."""

@@ -66,7 +66,7 @@ def demo(
     agents: Annotated[int, typer.Option(min=1, help="Number of agents.")] = 6,
     turns: Annotated[int, typer.Option(min=2, help="Turns per agent (half before the restart).")] = 4,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 12,
-    context_chars: Annotated[int, typer.Option(min=100, help="Characters of shared reference text.")] = 7000,
+    context_chars: Annotated[int, typer.Option(min=100, help="Characters of shared reference text.")] = 8000,
     remote: RemoteOption = None,
     remote_cluster: RemoteClusterOption = False,
     json_out: JsonOption = False,

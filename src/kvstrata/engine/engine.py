@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +113,13 @@ class ResponseStream:
 class Engine:
     """Runs requests for many sessions on one model, against one store (one at a time)."""
 
-    def __init__(self, model: LoadedModel, store: KVStore, *, queue_limit: int = 64) -> None:
+    def __init__(
+        self, model: LoadedModel, store: KVStore, *, queue_limit: int = 64, l1_resident_sessions: int = 4
+    ) -> None:
+        """``l1_resident_sessions``: how many sessions' KV may stay decoded in device memory
+        between their requests; the least recently served beyond that are demoted to L2."""
+        if l1_resident_sessions < 1:
+            raise ConfigError("l1_resident_sessions must be >= 1")
         layout = model.layout(store.layout.block_tokens)
         if layout != store.layout:
             raise ConfigError(f"the model's KV layout {layout} does not match the store's {store.layout}")
@@ -127,6 +134,8 @@ class Engine:
             eos = model.tokenizer.eos_token_id
         self._stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.queue_limit = queue_limit
+        self.l1_resident_sessions = l1_resident_sessions
+        self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._scheduler: Any = None
         self._lock = threading.Lock()
 
@@ -281,6 +290,7 @@ class Engine:
                 if new_ids:
                     self.store.append(session, new_ids, cache.new_kv(start))
                 self.store.checkpoint(session)
+            self._keep_resident(session)
 
         return Response(
             session_id=request.session_id,
@@ -301,6 +311,19 @@ class Engine:
             recomputed_reason="; ".join(prefix.reasons) or None,
             diverged_at=prefix.diverged_at,
         )
+
+    def _keep_resident(self, session: Session) -> None:
+        """Mark ``session`` most recently served; demote sessions beyond the residency limit
+        from L1 (in the background), except blocks a resident session shares with them."""
+        key = (session.namespace, session.id)
+        self._resident.pop(key, None)
+        self._resident[key] = session
+        evicted = []
+        while len(self._resident) > self.l1_resident_sessions:
+            evicted.append(self._resident.popitem(last=False)[1])
+        if evicted:
+            keep = {k for s in self._resident.values() for k in s.all_keys()}
+            self.store.blocks.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
 
     @torch.inference_mode()
     def _forward(self, token_ids: Sequence[int], cache: KVStrataCache) -> torch.Tensor:
