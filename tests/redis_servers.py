@@ -70,6 +70,8 @@ class RedisServer:
             "",
             "--appendonly",
             "no",
+            "--enable-debug-command",
+            "yes",
             "--dir",
             str(workdir),
         ]

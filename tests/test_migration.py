@@ -7,11 +7,14 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from kvstrata import KVStore, StoreConfig
 from kvstrata.engine import Engine
@@ -21,7 +24,13 @@ from kvstrata.tiers.remote import RemoteConfig
 from redis_servers import RedisServer
 
 WORKER = Path(__file__).with_name("engine_worker.py")
-QUESTIONS = ["Hello there, agent.", "Tell me about the weather.", "And tomorrow?", "Thanks, one more thing."]
+QUESTIONS = [
+    "Hello there, agent.",
+    "Tell me about the weather.",
+    "And tomorrow?",
+    "Thanks, one more thing.",
+    "Last question, promise.",
+]
 
 
 class Worker:
@@ -98,6 +107,15 @@ def test_requests_complete_while_redis_is_down_or_hung(tiny_model_dir: Path, tmp
                 server.start()  # and back, empty
             if step == 3:
                 server.pause()  # accepting connections, never answering
+            if step == 4:
+                server.resume()
+                time.sleep(0.6)  # the breaker lets a trial through again
+                # a slow Redis: the server blocks for 1.5 s while the request runs
+                slow = threading.Thread(
+                    target=lambda: redis.Redis(port=server.port).execute_command("DEBUG", "SLEEP", "1.5")
+                )
+                slow.start()
+                time.sleep(0.1)
             messages.append({"role": "user", "content": question})
             reply = engine.chat("agent", messages, max_new_tokens=6, priority="realtime")
             baseline = engine.chat("agent", messages, max_new_tokens=6, use_cache=False)
@@ -105,6 +123,8 @@ def test_requests_complete_while_redis_is_down_or_hung(tiny_model_dir: Path, tmp
             if step > 0:
                 assert reply.cached_tokens > 0  # the local tiers still serve
             messages.append({"role": "assistant", "content": reply.text})
+            if step == 4:
+                slow.join()
         assert store.blocks.counters.remote_errors > 0
     finally:
         server.resume()

@@ -335,3 +335,31 @@ def test_watermark_demotion_runs_in_the_background_down_to_the_low_mark(open_sto
     for block in blocks:
         found = store.blocks.lookup(block.key)
         assert found is not None and torch.equal(_bits(found[0].decoded(LAYOUT)), _bits(block.tensor))  # type: ignore[arg-type]
+
+
+def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path) -> None:
+    """A block file from another model's store (same geometry) or another layout, put where one
+    of this session's blocks belongs, is detected, quarantined and treated as missing."""
+    tokens = list(range(12))
+    other_model = KVStore(tmp_path / "other", LAYOUT, model_fingerprint=b"other-model")
+    other_layout = KVLayout(2, 2, 8, "float16", 4)
+    other_geometry = KVStore(tmp_path / "other16", other_layout, model_fingerprint=b"test-model")
+    foreign_files = []
+    for store, layout in ((other_model, LAYOUT), (other_geometry, other_layout)):
+        session = store.create_session("s")
+        store.append(session, tokens, token_kv(layout, tokens))
+        store.checkpoint(session)
+        foreign_files.append(store.blocks.l3.path_for(session.block_keys[1]).read_bytes())
+        store.close()
+    for i, foreign in enumerate(foreign_files):
+        store = open_store(tmp_path / f"mine{i}", l1_budget_bytes=0, l2_budget_bytes=0)
+        session = store.create_session("s")
+        store.append(session, tokens, token_kv(LAYOUT, tokens))
+        store.checkpoint(session)
+        store.flush()
+        store.blocks.l3.path_for(session.block_keys[1]).write_bytes(foreign)
+        loaded = store.load(session)
+        assert loaded.missing_from_token == 4 and loaded.num_tokens == 4  # stops before the foreign block
+        assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens[:4]))  # type: ignore[arg-type]
+        assert store.blocks.counters.corrupt_blocks == 1
+        assert len(list((tmp_path / f"mine{i}" / "quarantine").iterdir())) == 1
