@@ -112,8 +112,7 @@ class TieredStore:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic())
-        stats.last_access = time.monotonic()
-        stats.access_count += 1
+        stats.record_access(time.monotonic())
         if priority is not None:
             stats.priority = priority if stats.priority is None else higher_priority(stats.priority, priority)
         return stats
@@ -452,6 +451,7 @@ class TieredStore:
             # During a disk outage a block that only memory holds would be lost: keep it.
             if bottom and self.writer.outage is not None and not self.l3.contains(key):
                 continue
+            s.nbytes = tier.block_bytes(key)
             stats.append(s)
         return self.scorer.order(stats, time.monotonic())
 

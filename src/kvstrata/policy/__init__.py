@@ -1,5 +1,23 @@
-"""Placement policy: pure scorers that order blocks for demotion and eviction."""
+"""Placement policy: pure scorers that order blocks for demotion and eviction, and the ladder."""
 
-from kvstrata.policy.eviction import BlockStats, EvictionScorer, LRUScorer, get_scorer
+from kvstrata.policy.eviction import (
+    BlockStats,
+    CostScorer,
+    EvictionScorer,
+    LFUScorer,
+    LRUKScorer,
+    LRUScorer,
+    get_scorer,
+    scorer_names,
+)
 
-__all__ = ["BlockStats", "EvictionScorer", "LRUScorer", "get_scorer"]
+__all__ = [
+    "BlockStats",
+    "CostScorer",
+    "EvictionScorer",
+    "LFUScorer",
+    "LRUKScorer",
+    "LRUScorer",
+    "get_scorer",
+    "scorer_names",
+]
