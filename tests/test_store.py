@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -363,3 +364,35 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens[:4]))  # type: ignore[arg-type]
         assert store.blocks.counters.corrupt_blocks == 1
         assert len(list((tmp_path / f"mine{i}" / "quarantine").iterdir())) == 1
+
+
+def test_idle_timers_demote_blocks_tier_by_tier(open_store: Factory) -> None:
+    store = open_store(
+        l1_budget_bytes=8 * BLOCK, l2_budget_bytes=1 << 20, l1_idle_demote_s=0.2, l2_idle_demote_s=0.6
+    )
+    block = make_block(LAYOUT, 1)
+    store.blocks.put(block)
+    assert store.blocks.where(block.key) is TierLevel.L1
+    deadline = time.monotonic() + 5
+    while store.blocks.where(block.key) is TierLevel.L1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.blocks.where(block.key) is TierLevel.L2  # idle 0.2 s: out of device memory
+    while store.blocks.l2.contains(block.key) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.flush()
+    assert store.blocks.where(block.key) is TierLevel.L3  # idle 0.6 s: out of host memory
+    assert torch.equal(store.blocks.get(block.key).decoded(LAYOUT), block.tensor)  # type: ignore[union-attr,arg-type]
+
+
+def test_dwell_time_keeps_hinted_reads_from_repromoting(open_store: Factory) -> None:
+    store = open_store(l1_budget_bytes=8 * BLOCK, l2_budget_bytes=1 << 20, min_dwell_s=30.0)
+    block = make_block(LAYOUT, 2)
+    store.blocks.put(block)
+    store.blocks.demote_from_l1([block.key])
+    store.blocks.wait_demotions()
+    assert store.blocks.where(block.key) is TierLevel.L2
+    found = store.blocks.lookup(block.key, scheduled=False)  # a hint: served, not promoted
+    assert found is not None and found[1] is TierLevel.L2
+    assert store.blocks.where(block.key) is TierLevel.L2
+    found = store.blocks.lookup(block.key)  # the agent runs: promoted despite the dwell time
+    assert found is not None and store.blocks.where(block.key) is TierLevel.L1

@@ -48,6 +48,13 @@ class StoreConfig:
     writer_bandwidth_bytes_per_s: float | None = None
     eviction: str = "lru"
     promote_on_read: bool = True
+    min_dwell_s: float = 2.0
+    """A demoted block is not promoted again by reads of agents that are not running (hints,
+    prefetch) before this long; a scheduled agent's reads always promote."""
+    l1_idle_demote_s: float | None = 30.0
+    """Blocks idle this long leave device memory (None: never by age)."""
+    l2_idle_demote_s: float | None = 600.0
+    """Blocks idle this long leave host memory for L3 (None: never by age)."""
     ladder: CodecLadder = field(default_factory=CodecLadder)
     remote: RemoteConfig | None = None
     """The shared L4 tier on Redis (``--remote URL`` / ``KVSTRATA_REMOTE``); None: local only."""
@@ -63,6 +70,12 @@ class StoreConfig:
                 "watermarks must satisfy 0 < low < high <= 1, "
                 f"got low={self.low_watermark} high={self.high_watermark}"
             )
+        if self.min_dwell_s < 0:
+            raise ConfigError("min_dwell_s must be >= 0")
+        for name in ("l1_idle_demote_s", "l2_idle_demote_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive or None")
         if self.checkpoint_every_tokens <= 0:
             raise ConfigError("checkpoint_every_tokens must be positive")
         if self.writer_queue_bytes <= 0:

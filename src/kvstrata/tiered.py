@@ -192,12 +192,19 @@ class TieredStore:
         return None
 
     def lookup(
-        self, key: BlockKey, *, priority: Priority | None = None, max_loss: int | None = None
+        self,
+        key: BlockKey,
+        *,
+        priority: Priority | None = None,
+        max_loss: int | None = None,
+        scheduled: bool = True,
     ) -> tuple[KVBlock, TierLevel] | None:
         """The block and the tier it was found in, promoting it per config; ``None`` on a miss.
 
         A copy lossier than ``max_loss`` (see ``policy.ladder.LOSS_RANK``) is not returned: the
-        caller recomputes those tokens and its exact KV then replaces the lossy copy.
+        caller recomputes those tokens and its exact KV then replaces the lossy copy. Reads for
+        an agent that is not ``scheduled`` (a hint) do not promote a block still in its dwell
+        time after a demotion: that is what keeps blocks from bouncing between tiers.
         """
 
         def acceptable(block: KVBlock) -> bool:
@@ -214,7 +221,7 @@ class TieredStore:
                 if block is not None and acceptable(block):
                     self.counters.tiers[tier.level].hits += 1
                     self._touch(key, block.num_tokens, priority)
-                    if tier.level is not TierLevel.L1 and self.config.promote_on_read:
+                    if tier.level is not TierLevel.L1 and self._may_promote(key, scheduled):
                         block = self._promote(block, tier.level)
                     return block, tier.level
             pending = self.writer.pending(key)
@@ -251,7 +258,7 @@ class TieredStore:
             if level is TierLevel.L4:
                 self.counters.tiers[level].promotions += 1
                 self.writer.submit(block)  # keep a local, durable copy of what another engine wrote
-            if self.config.promote_on_read:
+            if self._may_promote(key, scheduled):
                 block = self._promote(block, level)
             return block, level
 
@@ -409,6 +416,14 @@ class TieredStore:
             finally:
                 self._reencode_queue.task_done()
 
+    def _may_promote(self, key: BlockKey, scheduled: bool) -> bool:
+        if not self.config.promote_on_read:
+            return False
+        stats = self._stats.get(key)
+        if scheduled or stats is None or stats.demoted_at is None:
+            return True
+        return time.monotonic() - stats.demoted_at >= self.config.min_dwell_s
+
     def _promote(self, block: KVBlock, found_in: TierLevel) -> KVBlock:
         if not self.memory_tiers or self.memory_tiers[0].level >= found_in:
             return block
@@ -480,10 +495,17 @@ class TieredStore:
             self._demote_wanted.set()
 
     def _demote_loop(self) -> None:
+        idle_limits = [self.config.l1_idle_demote_s, self.config.l2_idle_demote_s]
+        timers = [s for s in idle_limits if s is not None]
+        # wake up on demand, and often enough that idle timers fire within a quarter of their age
+        tick = min([*(s / 4 for s in timers), 5.0])
         while not self._closing:
-            self._demote_wanted.wait()
+            woken = self._demote_wanted.wait(tick)
             if self._closing:
                 return
+            if not woken:
+                self._demote_idle_blocks()
+                continue
             self._demote_idle.clear()
             self._demote_wanted.clear()
             try:
@@ -496,6 +518,25 @@ class TieredStore:
                     self._demote_to_low_watermark(index)
             finally:
                 self._demote_idle.set()
+
+    def _demote_idle_blocks(self) -> None:
+        """Idle timers: blocks unused for a tier's idle age move one tier down."""
+        limits = {TierLevel.L1: self.config.l1_idle_demote_s, TierLevel.L2: self.config.l2_idle_demote_s}
+        for index, tier in enumerate(self.memory_tiers):
+            limit = limits.get(tier.level)
+            if limit is None:
+                continue
+            now = time.monotonic()
+            with self._lock:
+                idle = [
+                    key
+                    for key in tier.keys()  # noqa: SIM118 (a Tier method)
+                    if (s := self._stats.get(key)) is not None
+                    and s.ref_count == 0
+                    and now - s.last_access > limit
+                ]
+            for key in idle:
+                self._demote_one(index, key)
 
     def demote_from_l1(self, keys: Iterable[BlockKey]) -> None:
         """Move ``keys`` out of device memory in the background (for example the blocks of
@@ -551,6 +592,9 @@ class TieredStore:
                 block = KVBlock(block.key, block.num_tokens, block.start_pos, block.tensor.clone())
         tier.remove(key)
         self.counters.tiers[tier.level].demotions += 1
+        stats = self._stats.get(key)
+        if stats is not None:
+            stats.demoted_at = time.monotonic()
         if index + 1 < len(self.memory_tiers) and self._place(block, index + 1) is not None:
             return
         if self.l3.contains(key) or self.writer.is_pending(key):

@@ -10,6 +10,7 @@ from kvstrata.cli.agent_demo_cmd import demo
 from kvstrata.cli.chat_cmd import chat
 from kvstrata.cli.demo_cmd import store_demo
 from kvstrata.cli.eval_cmd import eval_app
+from kvstrata.cli.serve_cmd import serve
 from kvstrata.cli.sessions_cmds import sessions_app
 from kvstrata.cli.store_cmds import gc, inspect, store_app
 
@@ -23,6 +24,7 @@ app.command()(inspect)
 app.command()(gc)
 app.command()(demo)
 app.command()(chat)
+app.command()(serve)
 store_app.command("demo")(store_demo)
 app.add_typer(store_app, name="store")
 app.add_typer(sessions_app, name="sessions")

@@ -50,6 +50,8 @@ class BlockStats:
     """Bytes the block occupies in the tier being considered."""
     reload_cost: float = 1.0
     """Relative cost of bringing it back from the tier below (decode + transfer)."""
+    demoted_at: float | None = None
+    """When it last left a tier (monotonic seconds): the start of its dwell time."""
 
     def record_access(self, when: float) -> None:
         self.last_access = when

@@ -1,0 +1,212 @@
+"""Session archives: one session, with every block it names, as one self-checking byte string.
+
+Layout (little-endian)::
+
+    magic (8 bytes), format version (u16), header length (u32), header (JSON: session id,
+        namespace, created time, token count, block count, layout and model fingerprints)
+    manifest length (u32), the session manifest (``Session.to_manifest``, itself CRC-checked)
+    for each block, in session order: record length (u32), a ``.kvbin`` record
+    trailer: CRC32C of everything before it (u32)
+
+Import verifies the whole archive before it writes anything: the trailer, every length, every
+record's own CRC, layout and key, that the keys are the content-hash chain of the manifest's
+tokens, and that the model and layout are this store's. Blocks are then re-keyed for the target
+namespace (keys include it), written durably to L3, and only then is the session committed.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+
+import crc32c
+
+from kvstrata.block import KVBlock
+from kvstrata.codecs.base import EncodedBlock
+from kvstrata.errors import (
+    CorruptBlockError,
+    LayoutMismatchError,
+    SessionExistsError,
+    SessionNotFoundError,
+    TierUnavailableError,
+)
+from kvstrata.keys import BlockKey, chain_key
+from kvstrata.kvbin import decode_record, encode_record
+from kvstrata.sessions import Session, validate_session_id
+from kvstrata.store import KVStore
+
+MAGIC = b"\x89KVSARC\n"
+FORMAT_VERSION = 1
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveHeader:
+    session_id: str
+    namespace: str
+    exported_at: float
+    num_tokens: int
+    num_blocks: int
+    layout_fingerprint: bytes
+    model_fingerprint: bytes
+
+
+def export_session(store: KVStore, session: Session) -> bytes:
+    """The archive of ``session`` (checkpointed first, so every block it names is on disk)."""
+    store.checkpoint(session)
+    keys = session.all_keys()
+    records = []
+    for key in keys:
+        block = store.blocks.l3.get(key)
+        if block is None or block.encoded is None:
+            raise TierUnavailableError(f"block {key.hex()[:16]} of session {session.id} is not on disk")
+        records.append(encode_record(key, block.encoded, store.layout.fingerprint, start_pos=block.start_pos))
+    header = {
+        "session_id": session.id,
+        "namespace": session.namespace,
+        "exported_at": time.time(),
+        "num_tokens": session.num_tokens,
+        "num_blocks": len(keys),
+        "layout_fingerprint": store.layout.fingerprint.hex(),
+        "model_fingerprint": session.model_fingerprint.hex(),
+    }
+    header_bytes = json.dumps(header, sort_keys=True).encode()
+    manifest = session.to_manifest()
+    parts = [MAGIC, _U16.pack(FORMAT_VERSION), _U32.pack(len(header_bytes)), header_bytes]
+    parts += [_U32.pack(len(manifest)), manifest]
+    for record in records:
+        parts += [_U32.pack(len(record)), record]
+    body = b"".join(parts)
+    return body + _U32.pack(crc32c.crc32c(body))
+
+
+class _Reader:
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if self.pos + n > len(self.data):
+            raise CorruptBlockError(f"archive truncated in {what}")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self, what: str) -> int:
+        return int(_U32.unpack(self.take(4, what))[0])
+
+
+def read_archive(data: bytes) -> tuple[ArchiveHeader, Session, list[tuple[BlockKey, int, EncodedBlock]]]:
+    """Parse and verify an archive's framing and checksums (not yet against a store)."""
+    if len(data) < len(MAGIC) + _U16.size + 2 * _U32.size:
+        raise CorruptBlockError("archive truncated")
+    if data[: len(MAGIC)] != MAGIC:
+        raise CorruptBlockError("not a kvstrata session archive (bad magic)")
+    view = memoryview(data)
+    body = view[: len(data) - _U32.size]
+    (stored_crc,) = _U32.unpack(view[len(body) :])
+    if crc32c.crc32c(body) != stored_crc:
+        raise CorruptBlockError("archive CRC32C mismatch")
+    reader = _Reader(body)
+    reader.take(len(MAGIC), "magic")
+    (version,) = _U16.unpack(reader.take(_U16.size, "version"))
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"unsupported archive version {version} (this build reads {FORMAT_VERSION})")
+    try:
+        raw = json.loads(bytes(reader.take(reader.u32("header length"), "header")))
+        header = ArchiveHeader(
+            str(raw["session_id"]),
+            str(raw["namespace"]),
+            float(raw["exported_at"]),
+            int(raw["num_tokens"]),
+            int(raw["num_blocks"]),
+            bytes.fromhex(raw["layout_fingerprint"]),
+            bytes.fromhex(raw["model_fingerprint"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptBlockError(f"malformed archive header: {exc}") from exc
+    session = Session.from_manifest(bytes(reader.take(reader.u32("manifest length"), "manifest")), 0)
+    if (session.id, session.namespace, session.num_tokens, len(session.all_keys())) != (
+        header.session_id,
+        header.namespace,
+        header.num_tokens,
+        header.num_blocks,
+    ):
+        raise CorruptBlockError("archive header and manifest disagree")
+    blocks = []
+    for i, key in enumerate(session.all_keys()):
+        record = reader.take(reader.u32(f"block {i} length"), f"block {i}")
+        rec_header, encoded = decode_record(
+            record, expected_key=key, expected_layout=header.layout_fingerprint
+        )
+        blocks.append((key, rec_header.start_pos, encoded))
+    if reader.pos != len(body):
+        raise CorruptBlockError(f"{len(body) - reader.pos} unexpected bytes after the last block")
+    return header, session, blocks
+
+
+def _key_chain(
+    store: KVStore, namespace: str, token_ids: list[int], full_blocks: int
+) -> tuple[list[BlockKey], BlockKey | None]:
+    bt = store.layout.block_tokens
+    parent = store.root_key(namespace)
+    keys = []
+    for i in range(full_blocks):
+        parent = chain_key(parent, token_ids[i * bt : (i + 1) * bt])
+        keys.append(parent)
+    rest = token_ids[full_blocks * bt :]
+    return keys, (chain_key(parent, rest) if rest else None)
+
+
+def import_session(
+    store: KVStore, data: bytes, *, new_id: str | None = None, namespace: str | None = None
+) -> Session:
+    """Recreate the archived session in ``namespace`` (default: the archive's) as ``new_id``
+    (default: the archived id). Raises ``CorruptBlockError`` on any damage (nothing written),
+    ``LayoutMismatchError`` for another model or layout, ``SessionExistsError`` if the id is taken."""
+    header, archived, blocks = read_archive(data)
+    if header.layout_fingerprint != store.layout.fingerprint:
+        raise LayoutMismatchError("the archive was written for another KV layout than this store's")
+    if header.model_fingerprint != store.model_fingerprint:
+        raise LayoutMismatchError("the archive was written by another model than this store's")
+    bt = store.layout.block_tokens
+    full = len(archived.block_keys)
+    if full != archived.num_tokens // bt or (archived.tail_key is not None) != bool(archived.num_tokens % bt):
+        raise CorruptBlockError("archive manifest: block count does not match its token count")
+    expected = _key_chain(store, archived.namespace, archived.token_ids, full)
+    if expected != (archived.block_keys, archived.tail_key):
+        raise CorruptBlockError("archive manifest: block keys are not the hash chain of its tokens")
+    for i, (_, start_pos, encoded) in enumerate(blocks):
+        want = min(bt, archived.num_tokens - i * bt)
+        if encoded.num_tokens != want or start_pos != i * bt:
+            raise CorruptBlockError(f"archive block {i}: holds tokens the manifest does not place there")
+
+    target_ns = namespace if namespace is not None else archived.namespace
+    session_id = validate_session_id(new_id if new_id is not None else archived.id)
+    validate_session_id(target_ns)
+    try:
+        store.session(session_id, target_ns)
+    except SessionNotFoundError:
+        pass
+    else:
+        raise SessionExistsError(f"session {target_ns}/{session_id} already exists")
+    new_keys, new_tail = _key_chain(store, target_ns, archived.token_ids, full)
+    # Blocks first, durably; the session is committed last, so an interrupted import leaves at
+    # most unreferenced blocks (collected by gc), never a session naming a missing block.
+    for key, (_, start_pos, encoded) in zip(
+        [*new_keys, *([new_tail] if new_tail else [])], blocks, strict=True
+    ):
+        if not store.blocks.l3.put(KVBlock(key, encoded.num_tokens, start_pos, None, encoded)):
+            raise TierUnavailableError("L3 has no room for the imported session's blocks")
+    session = store.create_session(
+        session_id, target_ns, priority=archived.priority, ttl_s=archived.ttl_s, pinned=archived.pinned
+    )
+    session.token_ids = list(archived.token_ids)
+    session.block_keys = new_keys
+    session.tail_key = new_tail
+    session.parent = archived.parent
+    store.checkpoint(session)
+    return session

@@ -1,0 +1,80 @@
+"""``kvstrata serve``: the OpenAI-compatible HTTP service over one model and one store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvstrata.cli.chat_cmd import BLOCK_TOKENS
+from kvstrata.cli.common import RemoteClusterOption, RemoteOption, fail, remote_config
+from kvstrata.config import StoreConfig, default_store_dir
+from kvstrata.errors import KVStrataError
+
+
+def serve(
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
+    ] = None,
+    store: Annotated[
+        Path | None,
+        typer.Option(
+            "--store", envvar="KVSTRATA_STORE", help="Store directory (default: the platform data dir)."
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
+    remote: RemoteOption = None,
+    remote_cluster: RemoteClusterOption = False,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--api-keys",
+            help="JSON or TOML file mapping API keys to tenants (default: $KVSTRATA_API_KEYS, "
+            "'key1:tenantA,key2:tenantB'). Required to listen beyond loopback.",
+        ),
+    ] = None,
+    audit_log: Annotated[
+        Path | None,
+        typer.Option("--audit-log", help="Audit log file (default: <store>/audit.jsonl)."),
+    ] = None,
+    max_prompt_tokens: Annotated[
+        int, typer.Option("--max-prompt-tokens", min=1, help="Longest prompt accepted.")
+    ] = 32768,
+) -> None:
+    """Serve /v1/chat/completions, /v1/completions, session admin and /metrics over HTTP."""
+    import uvicorn
+
+    from kvstrata.engine import Engine
+    from kvstrata.integrations.transformers.model import load_model
+    from kvstrata.server import ServerConfig, create_app
+    from kvstrata.server.auth import ENV_VAR, ApiKeys, check_bind
+    from kvstrata.store import KVStore
+
+    try:
+        keys = ApiKeys.load(api_keys, os.environ.get(ENV_VAR))
+        check_bind(host, keys)
+        loaded = load_model(model, progress=True)
+        layout = loaded.layout(BLOCK_TOKENS)
+        root = (store or default_store_dir()) / layout.fingerprint.hex()[:12]
+        config = StoreConfig(remote=remote_config(remote, remote_cluster))
+        with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
+            engine = Engine(loaded, kv)
+            app = create_app(
+                engine,
+                ServerConfig(
+                    model_name=loaded.name,
+                    max_prompt_tokens=max_prompt_tokens,
+                    api_keys=keys,
+                    audit_path=audit_log or root / "audit.jsonl",
+                ),
+            )
+            try:
+                uvicorn.run(app, host=host, port=port, log_level="info")
+            finally:
+                engine.close()
+    except KVStrataError as exc:
+        fail(str(exc))

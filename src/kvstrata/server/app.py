@@ -1,0 +1,53 @@
+"""The app factory: one FastAPI app over one engine (and its store)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstrata.engine import Engine
+from kvstrata.server import admin, openai_api
+from kvstrata.server.audit import AuditLog
+from kvstrata.server.context import ServerConfig, ServerContext
+from kvstrata.server.deps import context
+from kvstrata.server.errors import HANDLERS
+from kvstrata.server.metrics import ServerMetrics
+
+
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    """The app serving ``engine``. The caller owns the engine and its store (and closes them);
+    the app owns its audit log, which it closes at shutdown."""
+    config = config or ServerConfig()
+    ctx = ServerContext(
+        engine,
+        config,
+        AuditLog(config.audit_path) if config.audit_path is not None else None,
+        ServerMetrics(engine.store),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if ctx.audit is not None:
+            ctx.audit.close()
+
+    app = FastAPI(title="kvstrata", lifespan=lifespan, exception_handlers=HANDLERS)
+    app.state.ctx = ctx
+    app.include_router(openai_api.router)
+    app.include_router(admin.router)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "model": config.model_name}
+
+    @app.get("/metrics")
+    def metrics(request: Request) -> Response:
+        # sync: a scrape reads the index and tier figures, off the event loop
+        return Response(generate_latest(context(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

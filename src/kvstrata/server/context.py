@@ -1,0 +1,51 @@
+"""What every route needs: the server's config, and the one engine and store it serves."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstrata.engine import Engine
+from kvstrata.errors import ConfigError
+from kvstrata.server.audit import AuditLog
+from kvstrata.server.auth import ApiKeys
+from kvstrata.server.metrics import ServerMetrics
+from kvstrata.store import KVStore
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_name: str = "kvstrata"
+    """The id ``/v1/models`` lists; requests naming another model are refused."""
+    max_prompt_tokens: int = 32768
+    max_tokens_limit: int = 4096
+    """The most ``max_tokens`` a request may ask for."""
+    default_max_tokens: int = 256
+    create_sessions: bool = True
+    """A request naming a session that does not exist creates it; with False it gets a 404 and
+    sessions are made with ``POST /v1/sessions``."""
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    audit_path: Path | None = None
+    max_archive_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 1 or self.max_tokens_limit < 1:
+            raise ConfigError("max_prompt_tokens and max_tokens_limit must be >= 1")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
+
+
+@dataclass(slots=True)
+class ServerContext:
+    engine: Engine
+    config: ServerConfig
+    audit: AuditLog | None
+    metrics: ServerMetrics
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by whatever uses the store or the engine (a generation, an admin action): they are
+    not safe to use from two threads at once, and run in worker threads off the event loop."""
+
+    @property
+    def store(self) -> KVStore:
+        return self.engine.store
