@@ -354,3 +354,21 @@ def test_sessions_beyond_the_l1_residency_limit_are_demoted(tiny: LoadedModel, o
         max_new_tokens=4,
     )
     assert again.cached_by_tier["L2"] >= len(a_keys) * BLOCK_TOKENS
+
+
+def test_hinted_session_is_prefetched_into_l1(tiny: LoadedModel, open_store: Opener) -> None:
+    store = open_store("hint")
+    engine = Engine(tiny, store)
+    first = engine.chat("b", turn1(), max_new_tokens=4)
+    store.close()
+    store = open_store("hint")  # a restart: B's blocks are only on disk
+    engine = Engine(tiny, store)
+    keys = store.session("b").all_keys()
+    assert not any(store.blocks.l1.contains(k) for k in keys)
+    engine.hint(next=["b"])
+    assert engine._prefetcher.wait_idle(10)
+    assert all(store.blocks.l1.contains(k) for k in keys)
+    again = engine.chat("b", turn2(first), max_new_tokens=4)
+    assert again.cached_by_tier["L1"] == again.cached_tokens > 0
+    engine.hint(next=["nobody"])  # an unknown session is not an error
+    engine.close()

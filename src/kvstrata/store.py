@@ -226,6 +226,19 @@ class KVStore:
             out.append(live.info() if live is not None else SessionInfo.from_summary(row))
         return out
 
+    def session_keys(
+        self, session_id: str, namespace: str = DEFAULT_NAMESPACE
+    ) -> tuple[list[BlockKey], Priority] | None:
+        """A session's block keys and class, read without opening it (safe from other threads)."""
+        live = self._sessions.get((namespace, session_id))
+        if live is not None:
+            return live.all_keys(), live.priority
+        row = self.index.get_session(namespace, session_id)
+        if row is None:
+            return None
+        session = Session.from_row(row)
+        return session.all_keys(), session.priority
+
     def live_sessions(self) -> list[Session]:
         """Sessions opened in this process (they may hold blocks newer than their checkpoint)."""
         return list(self._sessions.values())

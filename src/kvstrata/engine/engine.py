@@ -137,6 +137,7 @@ class Engine:
         self.l1_resident_sessions = l1_resident_sessions
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._scheduler: Any = None
+        self._prefetcher: Any = None
         self._lock = threading.Lock()
 
     # -- public API ------------------------------------------------------------------------------
@@ -312,6 +313,11 @@ class Engine:
             diverged_at=prefix.diverged_at,
         )
 
+    def forget(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Drop a deleted (or throwaway) session from the residency list, so that it does not
+        push live sessions out of device memory."""
+        self._resident.pop((namespace, session_id), None)
+
     def _keep_resident(self, session: Session) -> None:
         """Mark ``session`` most recently served; demote sessions beyond the residency limit
         from L1 (in the background), except blocks a resident session shares with them."""
@@ -380,6 +386,15 @@ class Engine:
             self.store.truncate(session, min(session.num_tokens, num_tokens // bt * bt))
 
     # -- scheduling ------------------------------------------------------------------------------
+    def hint(self, next: Sequence[str], namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Say which sessions run next: their blocks are loaded into device memory in the
+        background, overlapping the current request's compute."""
+        if self._prefetcher is None:
+            from kvstrata.engine.prefetch import Prefetcher
+
+            self._prefetcher = Prefetcher(self.store)
+        self._prefetcher.hint(list(next), namespace)
+
     def submit(self, request: GenerationRequest) -> Any:
         """Queue ``request``: realtime before interactive before background, FIFO within a class.
 
@@ -390,12 +405,18 @@ class Engine:
             from kvstrata.engine.scheduler import Scheduler
 
             self._scheduler = Scheduler(self.run, queue_limit=self.queue_limit)
-        return self._scheduler.submit(request)
+        future = self._scheduler.submit(request)
+        if request.use_cache:
+            self.hint([request.session_id], request.namespace)  # a queued request prefetches itself
+        return future
 
     def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

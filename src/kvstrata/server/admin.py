@@ -117,6 +117,7 @@ async def delete_session(
     def work(ctx: ServerContext) -> None:
         ctx.store.session(session_id, tenant)  # a 404 for an unknown id
         ctx.store.delete_session(session_id, tenant)
+        ctx.engine.forget(session_id, tenant)
 
     await _audited(request, tenant, "delete", session_id, work)
     return {"object": "session.deleted", "id": session_id, "deleted": True}

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.engine import Engine
 from kvstrata.server import admin, openai_api
+from kvstrata.server.admission import PriorityLock
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.context import ServerConfig, ServerContext
 from kvstrata.server.deps import context
@@ -23,11 +24,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``engine``. The caller owns the engine and its store (and closes them);
     the app owns its audit log, which it closes at shutdown."""
     config = config or ServerConfig()
+    lock = PriorityLock()
     ctx = ServerContext(
         engine,
         config,
         AuditLog(config.audit_path) if config.audit_path is not None else None,
-        ServerMetrics(engine.store),
+        ServerMetrics(engine.store, lock),
+        lock,
     )
 
     @asynccontextmanager

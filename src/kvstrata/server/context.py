@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstrata.engine import Engine
 from kvstrata.errors import ConfigError
+from kvstrata.server.admission import PriorityLock
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.auth import ApiKeys
 from kvstrata.server.metrics import ServerMetrics
@@ -42,7 +42,7 @@ class ServerContext:
     config: ServerConfig
     audit: AuditLog | None
     metrics: ServerMetrics
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: PriorityLock = field(default_factory=PriorityLock)
     """Held by whatever uses the store or the engine (a generation, an admin action): they are
     not safe to use from two threads at once, and run in worker threads off the event loop."""
 

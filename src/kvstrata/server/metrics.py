@@ -18,6 +18,7 @@ from kvstrata.sessions import Priority
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Response
+    from kvstrata.server.admission import PriorityLock
     from kvstrata.store import KVStore
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -67,13 +68,29 @@ class StoreCollector(Collector):
         )
 
 
+class QueueCollector(Collector):
+    def __init__(self, lock: PriorityLock) -> None:
+        self.lock = lock
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvstrata_queue_depth",
+            "Requests waiting for the engine, per class.",
+            labels=["priority"],
+        )
+        for priority, waiting in self.lock.waiting().items():
+            family.add_metric([priority.value], waiting)
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, lock: PriorityLock) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(StoreCollector(store))
+        self.registry.register(QueueCollector(lock))
         self.in_flight = Gauge(
             "kvstrata_requests_in_flight",
-            "Generation requests waiting or running, per priority class (the engine runs one at a time).",
+            "Generation requests waiting or running, per priority class.",
             ["priority"],
             registry=self.registry,
         )

@@ -127,6 +127,7 @@ def _prepare(ctx: ServerContext, job: _Job) -> GenerationRequest:
 def _finish(ctx: ServerContext, job: _Job) -> None:
     if job.stateless:
         ctx.store.delete_session(job.session_id, job.namespace)
+        ctx.engine.forget(job.session_id, job.namespace)
 
 
 def _api_error(exc: Exception) -> APIError:
@@ -141,7 +142,7 @@ def _run(ctx: ServerContext, job: _Job) -> Response:
     gauge = ctx.metrics.in_flight.labels(job.priority.value)
     gauge.inc()
     try:
-        with ctx.lock:
+        with ctx.lock.hold(job.priority):
             request = _prepare(ctx, job)
             try:
                 response = ctx.engine.run(request)
@@ -256,7 +257,7 @@ def _generate_in_thread(
     gauge.inc()
     started = False
     try:
-        with ctx.lock:
+        with ctx.lock.hold(job.priority):
             request = _prepare(ctx, job)
             started = True
             emit("start", None)

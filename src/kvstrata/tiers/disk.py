@@ -239,13 +239,13 @@ class DiskTier:
 
     def bytes_by_codec(self) -> dict[int, int]:
         out: dict[int, int] = {}
-        for _, nbytes, codec, _ in self._rows.values():
+        for _, nbytes, codec, _ in list(self._rows.values()):  # a snapshot: the writer adds rows
             out[codec] = out.get(codec, 0) + nbytes
         return out
 
     def logical_bytes(self) -> int:
         """Bytes the stored blocks would take decoded (what compression is measured against)."""
-        return sum(placement[3] for placement in self._rows.values()) * self.layout.bytes_per_token
+        return sum(placement[3] for placement in list(self._rows.values())) * self.layout.bytes_per_token
 
     def rows(self) -> list[BlockRow]:
         """Full index rows (access times included) of every block, read from the index."""

@@ -186,12 +186,12 @@ class HostTier:
 
     def bytes_by_codec(self) -> dict[int, int]:
         out: dict[int, int] = {}
-        for entry in self._entries.values():
+        for entry in list(self._entries.values()):  # a snapshot: other threads move blocks
             out[int(entry.codec)] = out.get(int(entry.codec), 0) + entry.payload_len
         return out
 
     def logical_bytes(self) -> int:
-        return sum(e.num_tokens for e in self._entries.values()) * self.layout.bytes_per_token
+        return sum(e.num_tokens for e in list(self._entries.values())) * self.layout.bytes_per_token
 
     def free_pages(self) -> int:
         return len(self._free_pages) + self.num_pages - self._next_page

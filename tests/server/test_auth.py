@@ -1,0 +1,93 @@
+"""API keys: tenants are namespaces; one tenant never sees another's sessions or cached blocks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from server_builders import LiveServer, cached, chat, live_server, tiny_model
+
+from kvstrata.errors import ConfigError
+from kvstrata.server.auth import ApiKeys, check_bind
+
+KEYS = ApiKeys({"key-a": "tenant-a", "key-b": "tenant-b"})
+PROMPT = [
+    {"role": "system", "content": "Tenant secrets live in this very long shared system prompt."},
+    {"role": "user", "content": "hello"},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    root = tmp_path_factory.mktemp("auth")
+    with live_server(tiny_model(root), root, api_keys=KEYS, audit_path=root / "audit.jsonl") as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": "key-a"}])
+def test_missing_or_bad_key_is_a_401_and_audited(server: LiveServer, headers: dict[str, str]) -> None:
+    with server.http() as http:
+        response = http.get("/v1/sessions", headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert server.audit_path is not None
+    last = json.loads(server.audit_path.read_text().splitlines()[-1])
+    assert (last["action"], last["tenant"], last["outcome"]) == ("auth_failure", None, "denied")
+    with pytest.raises(openai.AuthenticationError):
+        chat(server.client("nope"), PROMPT, "s")
+
+
+def test_tenants_are_isolated(server: LiveServer) -> None:
+    a, b = server.client("key-a"), server.client("key-b")
+    chat(a, PROMPT, "shared-name")
+    assert cached(chat(a, PROMPT)) > 0  # tenant A's own blocks are shared within A
+    first_b = chat(b, PROMPT)  # the same prompt: nothing of A's is reused
+    assert cached(first_b) == 0
+    with server.http("key-b") as http:
+        assert http.get("/v1/sessions/shared-name").status_code == 404
+        assert http.delete("/v1/sessions/shared-name").status_code == 404
+        assert http.get("/v1/sessions/shared-name/export").status_code == 404
+        assert http.get("/v1/sessions").json()["data"] == []
+    with server.http("key-a") as http:
+        assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == ["shared-name"]
+    # B's session of the same name is B's own
+    assert cached(chat(b, PROMPT, "shared-name")) > 0
+    assert server.store.session("shared-name", "tenant-a").namespace == "tenant-a"
+    assert server.store.session("shared-name", "tenant-b").namespace == "tenant-b"
+
+
+def test_keys_from_env_and_files(tmp_path: Path) -> None:
+    assert ApiKeys.parse_env("k1:a, k2:b").tenants_by_key == {"k1": "a", "k2": "b"}
+    with pytest.raises(ConfigError):
+        ApiKeys.parse_env("k1")
+    (tmp_path / "keys.json").write_text(json.dumps({"keys": {"k1": "a"}}))
+    (tmp_path / "keys.toml").write_text('[keys]\nk2 = "b"\n')
+    assert ApiKeys.load(tmp_path / "keys.json", "ignored:x").tenants_by_key == {"k1": "a"}
+    assert ApiKeys.load(tmp_path / "keys.toml", None).tenants_by_key == {"k2": "b"}
+    assert ApiKeys.load(None, "k3:c").tenants_by_key == {"k3": "c"}
+    assert not ApiKeys.load(None, None).enabled
+    with pytest.raises(ConfigError):
+        ApiKeys({"k": "bad/tenant"})
+
+
+def test_no_keys_means_loopback_only() -> None:
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_bind(host, ApiKeys())
+    for host in ("0.0.0.0", "192.168.1.4", "example.org"):
+        with pytest.raises(ConfigError):
+            check_bind(host, ApiKeys())
+        check_bind(host, KEYS)
+
+
+def test_serve_refuses_a_public_host_without_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvstrata.cli.main import app
+
+    monkeypatch.delenv("KVSTRATA_API_KEYS", raising=False)
+    result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0"])
+    assert result.exit_code == 1
+    assert "without API keys" in result.output
