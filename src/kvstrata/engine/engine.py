@@ -226,8 +226,15 @@ class Engine:
         # One request at a time: the model and the session state are not shared between requests.
         # Inference mode is entered per step (never across a yield), so that a stream's consumer
         # does not run its own code in inference mode.
+        realtime = request.priority is Priority.REALTIME and self._prefetcher is not None
         with self._lock:
-            return (yield from self._generate_locked(request))
+            if realtime:
+                self._prefetcher.realtime_started()  # background loading pauses meanwhile
+            try:
+                return (yield from self._generate_locked(request))
+            finally:
+                if realtime:
+                    self._prefetcher.realtime_finished()
 
     def _generate_locked(self, request: GenerationRequest) -> Generator[str, None, Response]:
         started = time.perf_counter()

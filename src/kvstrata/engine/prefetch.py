@@ -3,9 +3,11 @@
 An orchestrator hints which agents come next (``Engine.hint``), and every queued request hints
 its own session; a worker thread then promotes those sessions' blocks from L2, L3 or the remote
 tier into L1 while the model computes another agent's tokens (torch releases the GIL during
-compute, file reads release it too). Hints are served most demanding class first; background
-sessions' loading is paced by a byte budget, so a burst of background wake-ups cannot crowd out a
-realtime agent's own loads.
+compute, file reads release it too). Hints are served most demanding class first. Background
+sessions' loading and decompression is the work that must never slow a realtime agent: it is
+paced by a byte budget, and it pauses entirely while a realtime request is running
+(``realtime_running``), so a burst of background wake-ups waits for the realtime turn instead of
+competing with it for the cores.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._busy = False
         self._closed = False
+        self._realtime_running = 0
         self.prefetched_blocks = 0
         self._thread = threading.Thread(target=self._run, name="kvstrata-prefetch", daemon=True)
         self._thread.start()
@@ -47,6 +50,20 @@ class Prefetcher:
                     continue  # a new session: nothing to load
                 heapq.heappush(self._heap, (_RANK[found[1]], next(self._order), namespace, sid))
             self._cond.notify_all()
+
+    def realtime_started(self) -> None:
+        with self._cond:
+            self._realtime_running += 1
+
+    def realtime_finished(self) -> None:
+        with self._cond:
+            self._realtime_running -= 1
+            self._cond.notify_all()
+
+    def _yield_to_realtime(self) -> None:
+        with self._cond:
+            while self._realtime_running and not self._closed:
+                self._cond.wait()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -90,6 +107,8 @@ class Prefetcher:
                 return
             if blocks.where(key) in (TierLevel.L1, None):
                 continue
+            if priority is Priority.BACKGROUND:
+                self._yield_to_realtime()
             started = time.monotonic()
             found_block = blocks.lookup(key, priority=priority, max_loss=max_loss, scheduled=True)
             if found_block is None:
