@@ -103,3 +103,67 @@ def codecs_cmd(
             "yes" if row.bit_exact else "no",
         )
     console.print(table)
+
+
+@eval_app.command("eviction")
+def eviction_cmd(
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
+    ] = None,
+    budget: Annotated[
+        float, typer.Option(min=0.05, max=1.0, help="Share of the context's blocks kept.")
+    ] = 0.5,
+    context_tokens: Annotated[
+        int, typer.Option("--context-tokens", min=256, help="Tokens prefilled (a multiple of 64).")
+    ] = 1024,
+    eval_tokens: Annotated[
+        int, typer.Option("--eval-tokens", min=1, help="Tokens teacher-forced and scored.")
+    ] = 128,
+    json_out: JsonOption = False,
+) -> None:
+    """Which blocks to keep at a memory budget: recent-only vs sinks vs importance-budgeted."""
+    from kvstrata.eval.codec_quality import eval_token_ids
+    from kvstrata.eval.eviction import MODES, evaluate_eviction
+    from kvstrata.integrations.transformers.model import load_model
+
+    try:
+        loaded = load_model(model, progress=not json_out)
+        token_ids = eval_token_ids(loaded)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("prefill", total=eval_tokens * len(MODES))
+            results = evaluate_eviction(
+                loaded,
+                token_ids,
+                budget=budget,
+                context_tokens=context_tokens,
+                eval_tokens=eval_tokens,
+                on_step=lambda label, _done: progress.update(task, advance=1, description="teacher-forcing"),
+            )
+    except KVStrataError as exc:
+        fail(str(exc))
+    if json_out:
+        print_json(results)
+        return
+    table = Table(
+        title=f"memory modes on {loaded.name}: {context_tokens} context tokens, budget {budget:.0%}"
+    )
+    for column in ("mode", "blocks kept", "ppl", "ppl Δ %", "KL", "top-1"):
+        table.add_column(column, justify="left" if column in ("mode", "blocks kept") else "right")
+    for row in results:
+        table.add_row(
+            row.mode,
+            " ".join(map(str, row.kept_blocks)),
+            f"{row.ppl:.3f}",
+            f"{row.ppl_delta_pct:+.2f}",
+            f"{row.kl:.3e}",
+            f"{row.top1 * 100:.1f}%",
+        )
+    console.print(table)
