@@ -372,3 +372,14 @@ def test_hinted_session_is_prefetched_into_l1(tiny: LoadedModel, open_store: Ope
     assert again.cached_by_tier["L1"] == again.cached_tokens > 0
     engine.hint(next=["nobody"])  # an unknown session is not an error
     engine.close()
+
+
+def test_importance_is_collected_per_block_without_changing_output(
+    tiny: LoadedModel, open_store: Opener
+) -> None:
+    plain = Engine(tiny, open_store("plain")).chat("s", turn1(), max_new_tokens=6)
+    store = open_store("tracked")
+    tracked = Engine(tiny, store, track_importance=True).chat("s", turn1(), max_new_tokens=6)
+    assert tracked.token_ids == plain.token_ids
+    scores = [store.blocks.importance(k) for k in store.session("s").all_keys()]
+    assert all(s > 0 for s in scores) and abs(sum(scores) - 1.0) < 1e-6  # shares of the attention mass

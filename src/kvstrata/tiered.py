@@ -108,11 +108,15 @@ class TieredStore:
         self._demoter.start()
 
     # -- stats and holds -------------------------------------------------------------------------
-    def _touch(self, key: BlockKey, num_tokens: int, priority: Priority | None = None) -> BlockStats:
+    def _touch(
+        self, key: BlockKey, num_tokens: int, priority: Priority | None = None, start_pos: int | None = None
+    ) -> BlockStats:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic())
         stats.record_access(time.monotonic())
+        if start_pos is not None:
+            stats.start_pos = start_pos
         if priority is not None:
             stats.priority = priority if stats.priority is None else higher_priority(stats.priority, priority)
         return stats
@@ -220,7 +224,7 @@ class TieredStore:
                 block = tier.get(key)
                 if block is not None and acceptable(block):
                     self.counters.tiers[tier.level].hits += 1
-                    self._touch(key, block.num_tokens, priority)
+                    self._touch(key, block.num_tokens, priority, block.start_pos)
                     if tier.level is not TierLevel.L1 and self._may_promote(key, scheduled):
                         block = self._promote(block, tier.level)
                     return block, tier.level
@@ -228,7 +232,7 @@ class TieredStore:
             if pending is not None and acceptable(pending):
                 # still in the writer's queue: served from memory, counted as an L3 hit
                 self.counters.tiers[TierLevel.L3].hits += 1
-                self._touch(key, pending.num_tokens, priority)
+                self._touch(key, pending.num_tokens, priority, pending.start_pos)
                 return self._promote(pending, TierLevel.L3), TierLevel.L3
         on_disk = self.l3.codec_of(key)
         if on_disk is not None and max_loss is not None and LOSS_RANK[CodecId(on_disk)] > max_loss:
@@ -254,7 +258,7 @@ class TieredStore:
                     self.counters.tiers[tier.level].misses += 1
                 return None
             self.counters.tiers[level].hits += 1
-            self._touch(key, block.num_tokens, priority)
+            self._touch(key, block.num_tokens, priority, block.start_pos)
             if level is TierLevel.L4:
                 self.counters.tiers[level].promotions += 1
                 self.writer.submit(block)  # keep a local, durable copy of what another engine wrote
@@ -299,7 +303,7 @@ class TieredStore:
         with self._lock:
             for block in arrived:
                 self.counters.tiers[TierLevel.L4].hits += 1
-                self._touch(block.key, block.num_tokens)
+                self._touch(block.key, block.num_tokens, start_pos=block.start_pos)
                 self._place(block, 0)
         for block in arrived:
             self.writer.submit(block)
@@ -360,7 +364,7 @@ class TieredStore:
         replaces them. ``recent`` marks it as in a session's full-precision window."""
         submit: KVBlock | None = None
         with self._lock:
-            stats = self._touch(block.key, block.num_tokens, priority)
+            stats = self._touch(block.key, block.num_tokens, priority, block.start_pos)
             stats.recent = stats.recent or recent
             loss = self.stored_loss(block.key)
             if loss is not None:
@@ -468,7 +472,12 @@ class TieredStore:
                 continue
             s.nbytes = tier.block_bytes(key)
             stats.append(s)
-        return self.scorer.order(stats, time.monotonic())
+        # Protected blocks (a session's recent window, the first block holding the attention
+        # sinks and the start of the system prompt) go only after every other candidate.
+        plain = [s for s in stats if not (s.recent or s.start_pos == 0)]
+        protected = [s for s in stats if s.recent or s.start_pos == 0]
+        now = time.monotonic()
+        return self.scorer.order(plain, now) + self.scorer.order(protected, now)
 
     def _make_room(self, index: int, incoming: KVBlock) -> bool:
         """Demote from tier ``index`` down to its low watermark, then until ``incoming`` fits."""
@@ -537,6 +546,18 @@ class TieredStore:
                 ]
             for key in idle:
                 self._demote_one(index, key)
+
+    def add_importance(self, scores: Iterable[tuple[BlockKey, float]]) -> None:
+        """Accumulate attention mass into blocks' importance (the cost scorer keeps them longer)."""
+        with self._lock:
+            for key, score in scores:
+                stats = self._stats.get(key)
+                if stats is not None:
+                    stats.importance += score
+
+    def importance(self, key: BlockKey) -> float:
+        stats = self._stats.get(key)
+        return stats.importance if stats is not None else 0.0
 
     def demote_from_l1(self, keys: Iterable[BlockKey]) -> None:
         """Move ``keys`` out of device memory in the background (for example the blocks of

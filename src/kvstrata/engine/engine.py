@@ -114,10 +114,18 @@ class Engine:
     """Runs requests for many sessions on one model, against one store (one at a time)."""
 
     def __init__(
-        self, model: LoadedModel, store: KVStore, *, queue_limit: int = 64, l1_resident_sessions: int = 4
+        self,
+        model: LoadedModel,
+        store: KVStore,
+        *,
+        queue_limit: int = 64,
+        l1_resident_sessions: int = 4,
+        track_importance: bool = False,
     ) -> None:
         """``l1_resident_sessions``: how many sessions' KV may stay decoded in device memory
-        between their requests; the least recently served beyond that are demoted to L2."""
+        between their requests; the least recently served beyond that are demoted to L2.
+        ``track_importance``: measure the attention mass each block receives (eager attention
+        through a registered hook) and feed it to the store's cost-based eviction."""
         if l1_resident_sessions < 1:
             raise ConfigError("l1_resident_sessions must be >= 1")
         layout = model.layout(store.layout.block_tokens)
@@ -138,6 +146,11 @@ class Engine:
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._scheduler: Any = None
         self._prefetcher: Any = None
+        self._tracker: Any = None
+        if track_importance:
+            from kvstrata.integrations.transformers.importance import ImportanceTracker
+
+            self._tracker = ImportanceTracker(store.layout.block_tokens)
         self._lock = threading.Lock()
 
     # -- public API ------------------------------------------------------------------------------
@@ -299,6 +312,7 @@ class Engine:
                     self.store.append(session, new_ids, cache.new_kv(start))
                 self.store.checkpoint(session)
             self._keep_resident(session)
+            self._record_importance(session)
 
         return Response(
             session_id=request.session_id,
@@ -341,8 +355,21 @@ class Engine:
     @torch.inference_mode()
     def _forward(self, token_ids: Sequence[int], cache: KVStrataCache) -> torch.Tensor:
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._input_device)
-        out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        if self._tracker is not None:
+            with self._tracker.attached(self.model.model):
+                out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+    def _record_importance(self, session: Session) -> None:
+        """Credit each of the session's blocks with the attention mass it received this request."""
+        if self._tracker is None:
+            return
+        keys = session.all_keys()
+        mass = self._tracker.normalized(len(keys))
+        self._tracker.reset()
+        self.store.blocks.add_importance(zip(keys, mass.tolist(), strict=True))
 
     # -- prefix reuse ----------------------------------------------------------------------------
     def _find_prefix(self, session: Session, prompt_ids: list[int]) -> _Prefix:
