@@ -46,7 +46,7 @@ class StoreConfig:
     checkpoint_every_tokens: int = 256
     writer_queue_bytes: int = 256 * MiB
     writer_bandwidth_bytes_per_s: float | None = None
-    eviction: str = "lru"
+    eviction: str = "cost"
     promote_on_read: bool = True
     min_dwell_s: float = 2.0
     """A demoted block is not promoted again by reads of agents that are not running (hints,
