@@ -199,7 +199,7 @@ def import_session(
     for key, (_, start_pos, encoded) in zip(
         [*new_keys, *([new_tail] if new_tail else [])], blocks, strict=True
     ):
-        if not store.blocks.l3.put(KVBlock(key, encoded.num_tokens, start_pos, None, encoded)):
+        if not store.blocks.l3.put(KVBlock(key, encoded.num_tokens, start_pos, None, encoded, target_ns)):
             raise TierUnavailableError("L3 has no room for the imported session's blocks")
     session = store.create_session(
         session_id, target_ns, priority=archived.priority, ttl_s=archived.ttl_s, pinned=archived.pinned

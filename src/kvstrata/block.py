@@ -26,6 +26,8 @@ class KVBlock:
     start_pos: int = 0
     tensor: torch.Tensor | None = None
     encoded: EncodedBlock | None = None
+    namespace: str | None = None
+    """The namespace (tenant) the block belongs to; its key seals the block at rest."""
 
     def __post_init__(self) -> None:
         assert self.tensor is not None or self.encoded is not None, "a block needs data"
@@ -46,7 +48,9 @@ class KVBlock:
     def reencoded(self, codec: Codec, layout: KVLayout) -> KVBlock:
         """A copy encoded with ``codec`` (decoding first if it is held in another codec)."""
         if self.encoded is not None and self.encoded.codec == codec.codec_id:
-            return KVBlock(self.key, self.num_tokens, self.start_pos, self.tensor, self.encoded)
+            return KVBlock(
+                self.key, self.num_tokens, self.start_pos, self.tensor, self.encoded, self.namespace
+            )
         tensor = self.decoded(layout)
         encoded = codec.encode(tensor, BlockContext(self.start_pos))
-        return KVBlock(self.key, self.num_tokens, self.start_pos, None, encoded)
+        return KVBlock(self.key, self.num_tokens, self.start_pos, None, encoded, self.namespace)

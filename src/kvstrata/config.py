@@ -25,6 +25,14 @@ class WritePolicy(enum.StrEnum):
     """Blocks reach L3 when they leave host memory or at a checkpoint: fewer writes."""
 
 
+def encryption_key_from_env() -> bytes | None:
+    """``KVSTRATA_ENCRYPTION_KEY`` (64 hex characters), if set."""
+    from kvstrata.crypto import parse_master_key
+
+    text = os.environ.get("KVSTRATA_ENCRYPTION_KEY")
+    return parse_master_key(text) if text else None
+
+
 def default_store_dir() -> Path:
     """``$KVSTRATA_STORE``, else the platform's user data directory (platformdirs)."""
     env = os.environ.get("KVSTRATA_STORE")
@@ -56,6 +64,9 @@ class StoreConfig:
     l2_idle_demote_s: float | None = 600.0
     """Blocks idle this long leave host memory for L3 (None: never by age)."""
     ladder: CodecLadder = field(default_factory=CodecLadder)
+    encryption_key: bytes | None = field(default=None, repr=False)
+    """32-byte master key: L3 files and remote values are sealed with AES-256-GCM under a key
+    derived per namespace (``KVSTRATA_ENCRYPTION_KEY`` in the CLI). None: stored in the clear."""
     remote: RemoteConfig | None = None
     """The shared L4 tier on Redis (``--remote URL`` / ``KVSTRATA_REMOTE``); None: local only."""
 
@@ -70,6 +81,8 @@ class StoreConfig:
                 "watermarks must satisfy 0 < low < high <= 1, "
                 f"got low={self.low_watermark} high={self.high_watermark}"
             )
+        if self.encryption_key is not None and len(self.encryption_key) != 32:
+            raise ConfigError("encryption_key must be 32 bytes")
         if self.min_dwell_s < 0:
             raise ConfigError("min_dwell_s must be >= 0")
         for name in ("l1_idle_demote_s", "l2_idle_demote_s"):

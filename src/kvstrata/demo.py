@@ -65,7 +65,7 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     from kvstrata import KVStore, StoreConfig
-    from kvstrata.config import MiB
+    from kvstrata.config import MiB, encryption_key_from_env
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
     from kvstrata.tiers.remote import RemoteConfig
@@ -74,7 +74,12 @@ def run_phase(args: argparse.Namespace) -> None:
     loaded = load_model(args.model, attn_implementation="sdpa", progress=True)
     layout = loaded.layout(64)
     remote = RemoteConfig(args.remote, cluster=args.remote_cluster) if args.remote else None
-    config = StoreConfig(l1_budget_bytes=args.l1_mib * MiB, l2_budget_bytes=args.l2_mib * MiB, remote=remote)
+    config = StoreConfig(
+        l1_budget_bytes=args.l1_mib * MiB,
+        l2_budget_bytes=args.l2_mib * MiB,
+        remote=remote,
+        encryption_key=encryption_key_from_env(),
+    )
     transcripts_path = Path(args.store) / "demo-transcripts.json"
     transcripts: dict[str, list[dict[str, str]]] = (
         json.loads(transcripts_path.read_text()) if transcripts_path.exists() else {}

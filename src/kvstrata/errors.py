@@ -40,6 +40,10 @@ class CorruptBlockError(KVStrataError):
         super().__init__(f"{where}{reason}")
 
 
+class EncryptionKeyError(KVStrataError):
+    """A record is encrypted and this store has no key to open it."""
+
+
 class CodecError(KVStrataError):
     """A codec cannot encode the given block, or its parameters are invalid."""
 

@@ -2,12 +2,17 @@
 
 Layout (little-endian)::
 
-    header (88 bytes)  magic, format version, header length, record kind, codec id, flags,
+    header (92 bytes)  magic, format version, header length, record kind, codec id, flags,
                        layout fingerprint, block key, token count, start position,
                        params length, payload length, created (ns since epoch)
     params             the codec's parameter record
     payload            the encoded K then V
     trailer (4 bytes)  CRC32C of everything before it
+
+An encrypted record (flag bit 0) keeps the header in the clear and carries, as its params,
+``KVE1`` + nonce + the namespace whose key sealed it, and as its payload the AES-GCM sealing of
+(original params length, original params, original payload); see ``kvstrata.crypto``. Its CRC32C
+still covers every byte, so damage is found without any key.
 
 The same bytes are used for L3 files, the remote tier and exports, so every copy of a block can be
 verified on its own. Parsing checks sizes before trusting any length field, so a truncated or
@@ -16,6 +21,7 @@ garbled file is reported, never read past its end, and never decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 from dataclasses import dataclass
@@ -24,13 +30,16 @@ from pathlib import Path
 import crc32c
 
 from kvstrata.codecs.base import CodecId, EncodedBlock
-from kvstrata.errors import CorruptBlockError, LayoutMismatchError
+from kvstrata.crypto import NONCE_BYTES, Keyring
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.layout import LAYOUT_FINGERPRINT_BYTES
 
 MAGIC = b"\x89KVBIN\r\n"
 FORMAT_VERSION = 1
 KIND_BLOCK = 1
+FLAG_ENCRYPTED = 1
+_SEALED_MAGIC = b"KVE1"
 _HEADER = struct.Struct(f"<8sHHBBH{LAYOUT_FINGERPRINT_BYTES}s{KEY_BYTES}sIIIQQ")
 HEADER_BYTES = _HEADER.size
 _TRAILER = struct.Struct("<I")
@@ -50,10 +59,20 @@ class RecordHeader:
     params_len: int
     payload_len: int
     created_ns: int
+    namespace: str | None = None
+    """For an encrypted record: the namespace whose key sealed it."""
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.flags & FLAG_ENCRYPTED)
 
     @property
     def total_bytes(self) -> int:
         return HEADER_BYTES + self.params_len + self.payload_len + TRAILER_BYTES
+
+
+def _aad(key: bytes, layout_fingerprint: bytes, codec: int, num_tokens: int, start_pos: int) -> bytes:
+    return key + layout_fingerprint + struct.pack("<BII", codec, num_tokens, start_pos)
 
 
 def encode_record(
@@ -63,26 +82,41 @@ def encode_record(
     *,
     start_pos: int = 0,
     created_ns: int | None = None,
+    keyring: Keyring | None = None,
+    namespace: str | None = None,
 ) -> bytes:
+    """The record bytes; sealed with ``namespace``'s key when a ``keyring`` is given."""
+    params, payload, flags = block.params, block.payload, 0
+    if keyring is not None:
+        if namespace is None:
+            raise EncryptionKeyError(
+                "this store encrypts at rest: a block must be written with its namespace"
+            )
+        aad = _aad(key, layout_fingerprint, int(block.codec), block.num_tokens, start_pos)
+        inner = struct.pack("<I", len(block.params)) + block.params + block.payload
+        nonce, payload = keyring.seal(namespace, aad, inner)
+        ns = namespace.encode()
+        params = _SEALED_MAGIC + nonce + struct.pack("<H", len(ns)) + ns
+        flags = FLAG_ENCRYPTED
     header = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
         HEADER_BYTES,
         KIND_BLOCK,
         int(block.codec),
-        0,
+        flags,
         layout_fingerprint,
         key,
         block.num_tokens,
         start_pos,
-        len(block.params),
-        len(block.payload),
+        len(params),
+        len(payload),
         time.time_ns() if created_ns is None else created_ns,
     )
     crc = crc32c.crc32c(header)
-    crc = crc32c.crc32c(block.params, crc)
-    crc = crc32c.crc32c(block.payload, crc)
-    return b"".join((header, block.params, block.payload, _TRAILER.pack(crc)))
+    crc = crc32c.crc32c(params, crc)
+    crc = crc32c.crc32c(payload, crc)
+    return b"".join((header, params, payload, _TRAILER.pack(crc)))
 
 
 def parse_header(data: bytes | memoryview, path: Path | str | None = None) -> RecordHeader:
@@ -116,8 +150,10 @@ def decode_record(
     path: Path | str | None = None,
     expected_key: bytes | None = None,
     expected_layout: bytes | None = None,
+    keyring: Keyring | None = None,
 ) -> tuple[RecordHeader, EncodedBlock]:
-    """Validate a whole record (lengths, CRC32C, key, layout, codec) and return its block."""
+    """Validate a whole record (lengths, CRC32C, key, layout, codec) and return its block,
+    opened with ``keyring`` when it is encrypted (``EncryptionKeyError`` without one)."""
     header = parse_header(data, path)
     if len(data) != header.total_bytes:
         raise CorruptBlockError(
@@ -145,10 +181,45 @@ def decode_record(
     except ValueError as exc:
         raise CorruptBlockError(f"unknown codec id {header.codec}", path) from exc
     params_end = HEADER_BYTES + header.params_len
-    block = EncodedBlock(
-        codec, bytes(view[HEADER_BYTES:params_end]), bytes(view[params_end:body_end]), header.num_tokens
+    params, payload = bytes(view[HEADER_BYTES:params_end]), bytes(view[params_end:body_end])
+    if header.encrypted:
+        return _open_sealed(header, params, payload, keyring, path)
+    return header, EncodedBlock(codec, params, payload, header.num_tokens)
+
+
+def sealed_namespace(params: bytes, path: Path | str | None = None) -> tuple[str, bytes]:
+    """(namespace, nonce) of an encrypted record's params."""
+    prefix = len(_SEALED_MAGIC) + NONCE_BYTES + 2
+    if len(params) < prefix or params[:4] != _SEALED_MAGIC:
+        raise CorruptBlockError("encrypted record has malformed sealing parameters", path)
+    nonce = params[4 : 4 + NONCE_BYTES]
+    (ns_len,) = struct.unpack_from("<H", params, 4 + NONCE_BYTES)
+    if len(params) != prefix + ns_len:
+        raise CorruptBlockError("encrypted record has malformed sealing parameters", path)
+    try:
+        return params[prefix:].decode(), nonce
+    except UnicodeDecodeError as exc:
+        raise CorruptBlockError("encrypted record names an unreadable namespace", path) from exc
+
+
+def _open_sealed(
+    header: RecordHeader, params: bytes, payload: bytes, keyring: Keyring | None, path: Path | str | None
+) -> tuple[RecordHeader, EncodedBlock]:
+    namespace, nonce = sealed_namespace(params, path)
+    header = dataclasses.replace(header, namespace=namespace)
+    if keyring is None:
+        raise EncryptionKeyError(
+            f"{path or 'record'}: encrypted for namespace {namespace!r}; no key is configured"
+        )
+    aad = _aad(header.key, header.layout_fingerprint, header.codec, header.num_tokens, header.start_pos)
+    inner = keyring.open(namespace, nonce, aad, payload, str(path) if path is not None else None)
+    (inner_params_len,) = struct.unpack_from("<I", inner, 0)
+    if 4 + inner_params_len > len(inner):
+        raise CorruptBlockError("encrypted record's inner lengths are inconsistent", path)
+    inner_params = inner[4 : 4 + inner_params_len]
+    return header, EncodedBlock(
+        CodecId(header.codec), inner_params, inner[4 + inner_params_len :], header.num_tokens
     )
-    return header, block
 
 
 def read_record_file(path: Path, **expect: bytes | None) -> tuple[RecordHeader, EncodedBlock]:

@@ -330,7 +330,9 @@ class KVStore:
         tensor = kv.detach().to(self.layout.torch_dtype).contiguous()
         self.layout.check_block(tensor)
         self.blocks.put(
-            KVBlock(key, int(tensor.shape[3]), start_pos, tensor), priority=session.priority, recent=recent
+            KVBlock(key, int(tensor.shape[3]), start_pos, tensor, namespace=session.namespace),
+            priority=session.priority,
+            recent=recent,
         )
 
     def _read_tail(self, session: Session) -> torch.Tensor:

@@ -10,6 +10,7 @@ by a reader (ref count > 0) are never demoted. Failure to make room is handled h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,7 +23,14 @@ from kvstrata import codecs
 from kvstrata.block import KVBlock
 from kvstrata.codecs import Codec, CodecId
 from kvstrata.config import StoreConfig, WritePolicy
-from kvstrata.errors import CorruptBlockError, KVStrataError, LayoutMismatchError, TierUnavailableError
+from kvstrata.crypto import Keyring
+from kvstrata.errors import (
+    CorruptBlockError,
+    EncryptionKeyError,
+    KVStrataError,
+    LayoutMismatchError,
+    TierUnavailableError,
+)
 from kvstrata.index import Index
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
@@ -54,6 +62,7 @@ class StoreCounters:
         default_factory=lambda: {lvl: TierCounters() for lvl in TierLevel}
     )
     corrupt_blocks: int = 0
+    unreadable_blocks: int = 0
     remote_errors: int = 0
     rejected_lossy: int = 0
     reencoded: int = 0
@@ -71,7 +80,10 @@ class TieredStore:
         self.index = index
         self.l1 = DeviceTier(layout, config.l1_budget_bytes, config.device)
         self.l2 = HostTier(layout, config.l2_budget_bytes, pin_memory=config.pin_host_memory)
-        self.l3 = DiskTier(self.root, layout, index, config.l3_budget_bytes, read_only=read_only)
+        self.keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
+        self.l3 = DiskTier(
+            self.root, layout, index, config.l3_budget_bytes, read_only=read_only, keyring=self.keyring
+        )
         self.memory_tiers: list[Tier] = [t for t in (self.l1, self.l2) if t.budget_bytes > 0]
         self.scorer = get_scorer(config.eviction)
         self.ladder = config.ladder
@@ -89,7 +101,7 @@ class TieredStore:
         self.l4: RedisTier | None = None
         self.remote_writer: BackgroundWriter | None = None
         if config.remote is not None and not read_only:
-            self.l4 = RedisTier(config.remote, layout)
+            self.l4 = RedisTier(config.remote, layout, self.keyring)
             self.remote_writer = BackgroundWriter(
                 self._write_l4,
                 max_queue_bytes=config.writer_queue_bytes,
@@ -248,6 +260,10 @@ class TieredStore:
             self.counters.corrupt_blocks += 1
             log.error("treating foreign block as missing: %s", exc)
             block = None
+        except EncryptionKeyError as exc:
+            self.counters.unreadable_blocks += 1
+            log.error("treating encrypted block as missing: %s", exc)
+            block = None
         level = TierLevel.L3
         if block is None and self.l4 is not None:
             block = self._remote_get(key, max_loss)
@@ -258,7 +274,8 @@ class TieredStore:
                     self.counters.tiers[tier.level].misses += 1
                 return None
             self.counters.tiers[level].hits += 1
-            self._touch(key, block.num_tokens, priority, block.start_pos)
+            stats = self._touch(key, block.num_tokens, priority, block.start_pos)
+            stats.namespace = stats.namespace or block.namespace
             if level is TierLevel.L4:
                 self.counters.tiers[level].promotions += 1
                 self.writer.submit(block)  # keep a local, durable copy of what another engine wrote
@@ -278,6 +295,10 @@ class TieredStore:
         except (CorruptBlockError, LayoutMismatchError) as exc:
             self.counters.corrupt_blocks += 1
             log.error("treating corrupt remote block as missing: %s", exc)
+            return None
+        except EncryptionKeyError as exc:
+            self.counters.unreadable_blocks += 1
+            log.error("treating encrypted remote block as missing: %s", exc)
             return None
         lossy = block is not None and block.encoded is not None and LOSS_RANK[block.encoded.codec]
         if max_loss is not None and lossy is not False and lossy > max_loss:
@@ -319,7 +340,7 @@ class TieredStore:
         try:
             present = self.l4.contains_many(keys)
             missing = [k for k, here in zip(keys, present, strict=True) if not here]
-            blocks = [b for k in missing if (b := self._local_copy(k)) is not None]
+            blocks = [self._with_namespace(b) for k in missing if (b := self._local_copy(k)) is not None]
             if len(blocks) < len(missing):
                 return False
             if blocks:
@@ -348,7 +369,7 @@ class TieredStore:
 
     def _write_l4(self, block: KVBlock) -> bool:
         assert self.l4 is not None
-        return self.l4.put(block)
+        return self.l4.put(self._with_namespace(block))
 
     def _on_remote_failure(self, block: KVBlock, error: Exception) -> None:
         self.counters.remote_errors += 1
@@ -358,7 +379,14 @@ class TieredStore:
         return found[0] if found else None
 
     # -- placement -------------------------------------------------------------------------------
-    def put(self, block: KVBlock, *, priority: Priority | None = None, recent: bool = False) -> None:
+    def put(
+        self,
+        block: KVBlock,
+        *,
+        priority: Priority | None = None,
+        recent: bool = False,
+        namespace: str | None = None,
+    ) -> None:
         """Place a new block at the top tier. A block already stored anywhere is only touched,
         unless every stored copy is lossier than ``priority`` accepts: then this (exact) block
         replaces them. ``recent`` marks it as in a session's full-precision window."""
@@ -366,6 +394,7 @@ class TieredStore:
         with self._lock:
             stats = self._touch(block.key, block.num_tokens, priority, block.start_pos)
             stats.recent = stats.recent or recent
+            stats.namespace = namespace or block.namespace or stats.namespace
             loss = self.stored_loss(block.key)
             if loss is not None:
                 wanted = self.ladder.max_loss_rank(priority or Priority.INTERACTIVE)
@@ -628,7 +657,20 @@ class TieredStore:
         self.writer.submit(self._fit(block, TierLevel.L3))
 
     # -- durability ------------------------------------------------------------------------------
+    def _with_namespace(self, block: KVBlock) -> KVBlock:
+        """``block`` carrying its namespace, which seals it when the store encrypts at rest."""
+        if block.namespace is not None or self.keyring is None:
+            return block
+        stats = self._stats.get(block.key)
+        if stats is None or stats.namespace is None:
+            # never written in the clear by mistake: the write fails and the block stays in memory
+            raise TierUnavailableError(
+                f"block {block.key.hex()[:16]} has no known namespace to encrypt it under"
+            )
+        return dataclasses.replace(block, namespace=stats.namespace)
+
     def _write_l3(self, block: KVBlock) -> bool:
+        block = self._with_namespace(block)
         current = self.l3.codec_of(block.key)
         # a different codec is an upgrade (exact KV recomputed) or a re-encode down the ladder
         replace = current is not None and block.encoded is not None and current != block.encoded.codec

@@ -26,7 +26,7 @@ from kvstrata.cli.common import (
     print_json,
     remote_config,
 )
-from kvstrata.config import StoreConfig, default_store_dir
+from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 from kvstrata.sessions import Priority, validate_session_id
 
@@ -80,7 +80,9 @@ def chat(
         if not messages and system:
             messages.append({"role": "system", "content": system})
         inputs = [message] if message is not None else _stdin_messages()
-        config = StoreConfig(remote=remote_config(remote, remote_cluster))
+        config = StoreConfig(
+            remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
+        )
         with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
             engine = Engine(loaded, kv)
             for text in inputs:

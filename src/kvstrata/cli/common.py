@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvstrata.config import StoreConfig, default_store_dir
+from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 from kvstrata.store import KVStore
 from kvstrata.tiers.remote import RemoteConfig
@@ -48,7 +48,8 @@ def open_store(store: Path | None, *, read_only: bool = False) -> KVStore:
     if not (root / "index.sqlite").exists():
         fail(f"no kvstrata store at {root} (use --store or KVSTRATA_STORE)")
     try:
-        return KVStore(root, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0), read_only=read_only)
+        config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0, encryption_key=encryption_key_from_env())
+        return KVStore(root, config=config, read_only=read_only)
     except KVStrataError as exc:
         fail(str(exc))
 

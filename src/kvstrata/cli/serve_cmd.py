@@ -10,7 +10,7 @@ import typer
 
 from kvstrata.cli.chat_cmd import BLOCK_TOKENS
 from kvstrata.cli.common import RemoteClusterOption, RemoteOption, fail, remote_config
-from kvstrata.config import StoreConfig, default_store_dir
+from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 
 
@@ -60,7 +60,9 @@ def serve(
         loaded = load_model(model, progress=True)
         layout = loaded.layout(BLOCK_TOKENS)
         root = (store or default_store_dir()) / layout.fingerprint.hex()[:12]
-        config = StoreConfig(remote=remote_config(remote, remote_cluster))
+        config = StoreConfig(
+            remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
+        )
         with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
             engine = Engine(loaded, kv)
             app = create_app(

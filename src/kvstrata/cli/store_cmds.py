@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from pathlib import Path
 from typing import Annotated
@@ -10,9 +11,10 @@ import typer
 from rich.table import Table
 
 from kvstrata.cli.common import JsonOption, StoreOption, console, err_console, open_store, print_json
+from kvstrata.codecs import CodecId
 from kvstrata.config import DAY_S, GcConfig
-from kvstrata.errors import CorruptBlockError, LayoutMismatchError
-from kvstrata.kvbin import decode_record
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
+from kvstrata.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
 from kvstrata.lifecycle import collect_garbage
 
 store_app = typer.Typer(help="Inspect a store.", no_args_is_help=True)
@@ -39,8 +41,15 @@ def inspect(
     except OSError as exc:
         err_console.print(f"{file}: cannot read: {exc.strerror}")
         raise typer.Exit(1) from exc
+    sealed = False
     try:
-        header, block = decode_record(data, path=file)
+        header, _ = decode_record(data, path=file)
+    except EncryptionKeyError:
+        # the CRC32C and the header check out; the payload is sealed and needs no key to verify
+        header = parse_header(data, file)
+        namespace, _ = sealed_namespace(bytes(data[HEADER_BYTES : HEADER_BYTES + header.params_len]), file)
+        header = dataclasses.replace(header, namespace=namespace)
+        sealed = True
     except (CorruptBlockError, LayoutMismatchError) as exc:
         err_console.print(f"corrupt: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from exc
@@ -51,7 +60,8 @@ def inspect(
         "key": header.key.hex(),
         "num_tokens": header.num_tokens,
         "start_pos": header.start_pos,
-        "codec": block.codec.name.lower(),
+        "codec": CodecId(header.codec).name.lower(),
+        "encrypted": f"yes (AES-256-GCM, namespace {header.namespace!r})" if sealed else "no",
         "params_bytes": header.params_len,
         "payload_bytes": header.payload_len,
         "created": dt.datetime.fromtimestamp(header.created_ns / 1e9, dt.UTC).isoformat(),

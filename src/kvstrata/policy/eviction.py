@@ -50,6 +50,8 @@ class BlockStats:
     """Bytes the block occupies in the tier being considered."""
     reload_cost: float = 1.0
     """Relative cost of bringing it back from the tier below (decode + transfer)."""
+    namespace: str | None = None
+    """The namespace (tenant) the block belongs to, once known."""
     start_pos: int = -1
     """Position of the block's first token in its sequence (0: holds the attention sinks)."""
     demoted_at: float | None = None

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvstrata.block import KVBlock
+from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, TierUnavailableError
 from kvstrata.index import BlockRow, Index
 from kvstrata.keys import BlockKey
@@ -58,7 +59,9 @@ class DiskTier:
         budget_bytes: int | None = None,
         *,
         read_only: bool = False,
+        keyring: Keyring | None = None,
     ) -> None:
+        self.keyring = keyring
         self.root = root
         self.layout = layout
         self.index = index
@@ -122,14 +125,18 @@ class DiskTier:
             return None
         try:
             header, encoded = decode_record(
-                data, path=path, expected_key=key, expected_layout=self.layout.fingerprint
+                data,
+                path=path,
+                expected_key=key,
+                expected_layout=self.layout.fingerprint,
+                keyring=self.keyring,
             )
         except CorruptBlockError:
             if not self.index.read_only:
                 self.quarantine(key, path)
             raise
         self.index.note_access(key, time.time())
-        return KVBlock(key, header.num_tokens, header.start_pos, None, encoded)
+        return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
     def put(self, block: KVBlock, *, replace: bool = False) -> bool:
         """Write ``block`` crash-safely; with ``replace`` an existing copy (another codec) is
@@ -138,7 +145,14 @@ class DiskTier:
         if previous is not None and not replace:
             return True
         encoded = block.encode()
-        record = encode_record(block.key, encoded, self.layout.fingerprint, start_pos=block.start_pos)
+        record = encode_record(
+            block.key,
+            encoded,
+            self.layout.fingerprint,
+            start_pos=block.start_pos,
+            keyring=self.keyring,
+            namespace=block.namespace,
+        )
         growth = len(record) - (previous[1] if previous is not None else 0)
         if self.budget_bytes is not None and self._used + growth > self.budget_bytes:
             return False

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvstrata.block import KVBlock
+from kvstrata.crypto import Keyring
 from kvstrata.errors import ConfigError, CorruptBlockError, SessionConflictError, TierUnavailableError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.kvbin import decode_record, encode_record
@@ -110,8 +111,9 @@ class CircuitBreaker:
 class RedisTier:
     level = TierLevel.L4
 
-    def __init__(self, config: RemoteConfig, layout: KVLayout) -> None:
+    def __init__(self, config: RemoteConfig, layout: KVLayout, keyring: Keyring | None = None) -> None:
         self.config = config
+        self.keyring = keyring
         self.layout = layout
         self.breaker = CircuitBreaker(config.failures_to_open, config.reset_after_s)
         self._block_prefix = f"{config.prefix}:b:{layout.fingerprint.hex()}:"
@@ -155,15 +157,23 @@ class RedisTier:
                 path=f"redis:{self._name(key)}",
                 expected_key=key,
                 expected_layout=self.layout.fingerprint,
+                keyring=self.keyring,
             )
         except CorruptBlockError:
             # a damaged value must not be served again, to this engine or any other
             self._call("delete", self._client.delete, self._name(key))
             raise
-        return KVBlock(key, header.num_tokens, header.start_pos, None, encoded)
+        return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
     def _record(self, block: KVBlock) -> bytes:
-        return encode_record(block.key, block.encode(), self.layout.fingerprint, start_pos=block.start_pos)
+        return encode_record(
+            block.key,
+            block.encode(),
+            self.layout.fingerprint,
+            start_pos=block.start_pos,
+            keyring=self.keyring,
+            namespace=block.namespace,
+        )
 
     # -- Tier protocol -----------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:

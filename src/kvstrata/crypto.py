@@ -1,0 +1,71 @@
+"""Encryption at rest: AES-256-GCM per namespace (tenant), for L3 files and remote values.
+
+One master key (32 bytes) is given to the store; each namespace's key is derived from it with
+HKDF-SHA256 (info = the namespace), so tenants never share a key and no key list needs storing.
+A record is sealed with a fresh 96-bit nonce; the additional authenticated data binds the block
+key, layout, codec, token count and start position, so a sealed payload cannot be moved to another
+block or replayed under another header. Any tampering fails authentication and is reported as a
+corrupt block; a record for which no key is configured is reported as unreadable, never guessed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvstrata.errors import ConfigError, CorruptBlockError
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+
+
+def parse_master_key(text: str) -> bytes:
+    """A master key from 64 hex characters (how ``KVSTRATA_ENCRYPTION_KEY`` carries it)."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError as exc:
+        raise ConfigError("the encryption key must be 64 hex characters (32 bytes)") from exc
+    if len(key) != KEY_BYTES:
+        raise ConfigError(f"the encryption key must be {KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+@dataclass(slots=True)
+class Keyring:
+    master_key: bytes
+    _ciphers: dict[str, AESGCM] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.master_key) != KEY_BYTES:
+            raise ConfigError(f"the encryption master key must be {KEY_BYTES} bytes")
+
+    def cipher(self, namespace: str) -> AESGCM:
+        cipher = self._ciphers.get(namespace)
+        if cipher is None:
+            derived = HKDF(
+                algorithm=hashes.SHA256(),
+                length=KEY_BYTES,
+                salt=b"kvstrata-at-rest-v1",
+                info=namespace.encode(),
+            ).derive(self.master_key)
+            cipher = self._ciphers[namespace] = AESGCM(derived)
+        return cipher
+
+    def seal(self, namespace: str, aad: bytes, plaintext: bytes) -> tuple[bytes, bytes]:
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce, self.cipher(namespace).encrypt(nonce, plaintext, aad)
+
+    def open(self, namespace: str, nonce: bytes, aad: bytes, ciphertext: bytes, where: str | None) -> bytes:
+        try:
+            return self.cipher(namespace).decrypt(nonce, ciphertext, aad)
+        except InvalidTag as exc:
+            raise CorruptBlockError(
+                f"encrypted payload failed authentication (tampered, or sealed with another key) "
+                f"for namespace {namespace!r}",
+                where,
+            ) from exc

@@ -1,0 +1,108 @@
+"""Encryption at rest: AES-256-GCM per namespace, for L3 files (and remote values)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvstrata import KVStore
+from kvstrata.cli.main import app
+from kvstrata.crypto import Keyring, parse_master_key
+from kvstrata.errors import ConfigError, CorruptBlockError, EncryptionKeyError
+from kvstrata.kvbin import decode_record, encode_record
+from kvstrata.tiers.base import TierLevel
+from kvstrata.tiers.remote import RemoteConfig
+
+from conftest import LAYOUT, make_block, token_kv
+from redis_servers import RedisServer
+
+Factory = Callable[..., KVStore]
+KEY = bytes(range(32))
+
+
+def test_record_sealing_round_trip_and_tamper_detection() -> None:
+    block = make_block(LAYOUT, 1)
+    encoded = block.encode()
+    keyring = Keyring(KEY)
+    record = encode_record(block.key, encoded, LAYOUT.fingerprint, keyring=keyring, namespace="tenant-a")
+    assert encoded.payload[:64] not in record  # no plaintext KV on disk
+    header, opened = decode_record(record, keyring=keyring, expected_key=block.key)
+    assert opened == encoded and header.encrypted and header.namespace == "tenant-a"
+    with pytest.raises(EncryptionKeyError, match="no key"):
+        decode_record(record)
+    with pytest.raises(CorruptBlockError, match="authentication"):
+        decode_record(record, keyring=Keyring(bytes(32)))  # another master key
+    # a sealed payload moved under another block's key fails authentication, even with the CRC
+    # recomputed (what someone with write access to the store could do)
+    other = make_block(LAYOUT, 2)
+    moved = bytearray(record[:-4])
+    moved[32:64] = other.key  # the block-key field of the header
+    moved += crc32c.crc32c(bytes(moved)).to_bytes(4, "little")
+    with pytest.raises(CorruptBlockError, match="authentication"):
+        decode_record(bytes(moved), keyring=keyring)
+    # namespaces get different keys
+    assert keyring.cipher("a") is not keyring.cipher("b")
+    with pytest.raises(ConfigError):
+        parse_master_key("abc")
+
+
+def test_encrypted_store_round_trip_restart_and_missing_key(open_store: Factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
+    session = store.create_session("s", "tenant-a")
+    tokens = list(range(10))
+    kv = token_kv(LAYOUT, tokens)
+    store.append(session, tokens, kv)
+    store.checkpoint(session)
+    store.flush()
+    files = sorted(root.glob("hot/*/*.kvbin"))
+    assert files and all(kv[:, :, :, :4].numpy().tobytes()[:64] not in f.read_bytes() for f in files)
+    store.close()
+
+    reopened = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
+    loaded = reopened.load(reopened.session("s", "tenant-a"))
+    assert loaded.tokens_by_tier == {TierLevel.L3: 10} and torch.equal(loaded.kv, kv)  # type: ignore[arg-type]
+    reopened.close()
+
+    without_key = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
+    loaded = without_key.load(without_key.session("s", "tenant-a"))
+    assert loaded.num_tokens == 0 and loaded.missing_from_token == 0  # unreadable: recomputed, never guessed
+    assert without_key.blocks.counters.unreadable_blocks == 1
+    assert all(f.exists() for f in files)  # not quarantined: the files are fine, the key is missing
+    without_key.close()
+
+    result = CliRunner().invoke(app, ["inspect", str(files[0])])
+    assert result.exit_code == 0 and "tenant-a" in result.output  # CRC verified without the key
+    data = bytearray(files[0].read_bytes())
+    data[120] ^= 1
+    files[0].write_bytes(bytes(data))
+    assert CliRunner().invoke(app, ["inspect", str(files[0])]).exit_code == 1
+
+
+def test_remote_values_are_sealed(open_store: Factory, tmp_path: Path, redis_server: RedisServer) -> None:
+    import redis
+
+    remote = RemoteConfig(redis_server.url, prefix=f"enc-{uuid.uuid4().hex[:8]}")
+    store = open_store(tmp_path / "a", encryption_key=KEY, remote=remote)
+    session = store.create_session("s", "tenant-b")
+    tokens = list(range(8))
+    kv = token_kv(LAYOUT, tokens)
+    store.append(session, tokens, kv)
+    store.checkpoint(session)
+    store.flush()
+    raw = redis.Redis.from_url(redis_server.url)
+    value = raw.get(store.blocks.l4._name(session.block_keys[0]))  # type: ignore[union-attr]
+    assert value is not None and kv[:, :, :, :4].contiguous().numpy().tobytes()[:64] not in value
+    other = open_store(
+        tmp_path / "b", encryption_key=KEY, remote=remote, l1_budget_bytes=0, l2_budget_bytes=0
+    )
+    continued = other.session("s", "tenant-b")
+    assert torch.equal(other.load(continued).kv, kv)  # type: ignore[arg-type]
+    assert os.path.exists(tmp_path / "b")
