@@ -88,6 +88,8 @@ class KVStore:
             self._release_owner_lock()
             raise
         self._sessions: dict[tuple[str, str], Session] = {}
+        self.checkpoints = 0
+        self.checkpoint_seconds = 0.0
         self.open_seconds = time.perf_counter() - started
 
     def _writable(self) -> None:
@@ -421,6 +423,14 @@ class KVStore:
         """Make the session's blocks durable in L3, then commit its index row (in that order, so
         a committed session never names a block that is not on disk)."""
         self._writable()
+        started = time.perf_counter()
+        try:
+            self._checkpoint(session)
+        finally:
+            self.checkpoints += 1
+            self.checkpoint_seconds += time.perf_counter() - started
+
+    def _checkpoint(self, session: Session) -> None:
         missing = self.blocks.make_durable(session.all_keys())
         if missing:
             raise TierUnavailableError(

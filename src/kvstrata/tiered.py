@@ -54,6 +54,8 @@ class TierCounters:
     promotions: int = 0
     demotions: int = 0
     rejected: int = 0
+    load_seconds: float = 0.0
+    """Time spent serving this tier's hits (read, verify, decode, promote)."""
 
 
 @dataclass(slots=True)
@@ -214,6 +216,20 @@ class TieredStore:
         priority: Priority | None = None,
         max_loss: int | None = None,
         scheduled: bool = True,
+    ) -> tuple[KVBlock, TierLevel] | None:
+        started = time.perf_counter()
+        found = self._lookup(key, priority=priority, max_loss=max_loss, scheduled=scheduled)
+        if found is not None:
+            self.counters.tiers[found[1]].load_seconds += time.perf_counter() - started
+        return found
+
+    def _lookup(
+        self,
+        key: BlockKey,
+        *,
+        priority: Priority | None,
+        max_loss: int | None,
+        scheduled: bool,
     ) -> tuple[KVBlock, TierLevel] | None:
         """The block and the tier it was found in, promoting it per config; ``None`` on a miss.
 

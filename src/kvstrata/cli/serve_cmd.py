@@ -63,20 +63,27 @@ def serve(
         config = StoreConfig(
             remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
         )
-        with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
-            engine = Engine(loaded, kv)
-            app = create_app(
-                engine,
-                ServerConfig(
-                    model_name=loaded.name,
-                    max_prompt_tokens=max_prompt_tokens,
-                    api_keys=keys,
-                    audit_path=audit_log or root / "audit.jsonl",
-                ),
-            )
-            try:
-                uvicorn.run(app, host=host, port=port, log_level="info")
-            finally:
-                engine.close()
+        kv = KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config)
+        engine = Engine(loaded, kv)
+
+        def shutdown() -> None:
+            # flushes queued writes, persists the counters and closes the index
+            engine.close()
+            kv.close()
+
+        app = create_app(
+            engine,
+            ServerConfig(
+                model_name=loaded.name,
+                max_prompt_tokens=max_prompt_tokens,
+                api_keys=keys,
+                audit_path=audit_log or root / "audit.jsonl",
+            ),
+            on_shutdown=shutdown,
+        )
+        try:
+            uvicorn.run(app, host=host, port=port, log_level="info")
+        finally:
+            shutdown()  # idempotent: a start-up failure never reached the lifespan
     except KVStrataError as exc:
         fail(str(exc))

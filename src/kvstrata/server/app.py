@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,9 +20,12 @@ from kvstrata.server.errors import HANDLERS
 from kvstrata.server.metrics import ServerMetrics
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
-    """The app serving ``engine``. The caller owns the engine and its store (and closes them);
-    the app owns its audit log, which it closes at shutdown."""
+def create_app(
+    engine: Engine, config: ServerConfig | None = None, *, on_shutdown: Callable[[], None] | None = None
+) -> FastAPI:
+    """The app serving ``engine``. The caller owns the engine and its store; ``on_shutdown`` runs
+    when the server stops (a SIGTERM included: uvicorn re-raises the signal after the lifespan
+    ends, so code after ``uvicorn.run`` would never run). The app closes its audit log."""
     config = config or ServerConfig()
     lock = PriorityLock()
     ctx = ServerContext(
@@ -38,6 +41,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         yield
         if ctx.audit is not None:
             ctx.audit.close()
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="kvstrata", lifespan=lifespan, exception_handlers=HANDLERS)
     app.state.ctx = ctx

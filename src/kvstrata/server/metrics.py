@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstrata.sessions import Priority
@@ -54,6 +54,27 @@ class StoreCollector(Collector):
             for name, family in families.items():
                 family.add_metric([level.name], getattr(tier_counters, name))
         yield from families.values()
+        load = SummaryMetricFamily(
+            "kvstrata_tier_load_seconds",
+            "Time to serve blocks from each tier (count = hits).",
+            labels=["tier"],
+        )
+        for level, tier_counters in counters.tiers.items():
+            load.add_metric(
+                [level.name], count_value=tier_counters.hits, sum_value=tier_counters.load_seconds
+            )
+        yield load
+        yield SummaryMetricFamily(
+            "kvstrata_checkpoint_seconds",
+            "Session checkpoints (blocks made durable, then the index row committed).",
+            count_value=self.store.checkpoints,
+            sum_value=self.store.checkpoint_seconds,
+        )
+        yield GaugeMetricFamily(
+            "kvstrata_recovery_seconds",
+            "Time the store took to open (recover) at start.",
+            value=self.store.open_seconds,
+        )
         yield CounterMetricFamily(
             "kvstrata_corrupt_blocks", "Blocks that failed verification.", value=counters.corrupt_blocks
         )
