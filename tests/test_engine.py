@@ -383,3 +383,19 @@ def test_importance_is_collected_per_block_without_changing_output(
     assert tracked.token_ids == plain.token_ids
     scores = [store.blocks.importance(k) for k in store.session("s").all_keys()]
     assert all(s > 0 for s in scores) and abs(sum(scores) - 1.0) < 1e-6  # shares of the attention mass
+
+
+def test_request_rate_and_system_prompt_protection_signals(tiny: LoadedModel, open_store: Opener) -> None:
+    store = open_store("signals")
+    engine = Engine(tiny, store)
+    first = engine.chat("s", turn1(), max_new_tokens=4)
+    assert engine.request_rate("s") == 0.0  # one request: no rate yet
+    engine.chat("s", turn2(first), max_new_tokens=4)
+    assert engine.request_rate("s") > 0
+    session = store.session("s")
+    system_blocks = len(engine.prompt_token_ids(GenerationRequest("x", messages=turn1()[:1]))) // BLOCK_TOKENS
+    assert system_blocks >= 2
+    for i, key in enumerate(session.block_keys):
+        stats = store.blocks.stats_of(key)
+        assert stats is not None and stats.next_use_s == pytest.approx(1 / engine.request_rate("s"))
+        assert stats.protected == (i < system_blocks - 1)  # blocks wholly inside the system message

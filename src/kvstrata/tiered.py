@@ -518,9 +518,9 @@ class TieredStore:
             s.nbytes = tier.block_bytes(key)
             stats.append(s)
         # Protected blocks (a session's recent window, the first block holding the attention
-        # sinks and the start of the system prompt) go only after every other candidate.
-        plain = [s for s in stats if not (s.recent or s.start_pos == 0)]
-        protected = [s for s in stats if s.recent or s.start_pos == 0]
+        # sinks, a system prompt's blocks) go only after every other candidate.
+        plain = [s for s in stats if not (s.recent or s.protected or s.start_pos == 0)]
+        protected = [s for s in stats if s.recent or s.protected or s.start_pos == 0]
         now = time.monotonic()
         return self.scorer.order(plain, now) + self.scorer.order(protected, now)
 
@@ -599,6 +599,25 @@ class TieredStore:
                 stats = self._stats.get(key)
                 if stats is not None:
                     stats.importance += score
+
+    def set_next_use(self, keys: Iterable[BlockKey], seconds: float) -> None:
+        """An expected time to the blocks' next use (from a session's request rate, or a hint)."""
+        with self._lock:
+            for key in keys:
+                stats = self._stats.get(key)
+                if stats is not None:
+                    stats.next_use_s = seconds
+
+    def protect(self, keys: Iterable[BlockKey]) -> None:
+        """Demote ``keys`` only after every unprotected block (a system prompt, for example)."""
+        with self._lock:
+            for key in keys:
+                stats = self._stats.get(key)
+                if stats is not None:
+                    stats.protected = True
+
+    def stats_of(self, key: BlockKey) -> BlockStats | None:
+        return self._stats.get(key)
 
     def importance(self, key: BlockKey) -> float:
         stats = self._stats.get(key)

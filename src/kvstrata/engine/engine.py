@@ -147,6 +147,8 @@ class Engine:
         self._scheduler: Any = None
         self._prefetcher: Any = None
         self._tracker: Any = None
+        self._last_request: dict[tuple[str, str], float] = {}
+        self._gaps: dict[tuple[str, str], float] = {}
         if track_importance:
             from kvstrata.integrations.transformers.importance import ImportanceTracker
 
@@ -313,6 +315,7 @@ class Engine:
                 self.store.checkpoint(session)
             self._keep_resident(session)
             self._record_importance(session)
+            self._record_signals(request, session, prompt_ids)
 
         return Response(
             session_id=request.session_id,
@@ -361,6 +364,37 @@ class Engine:
         else:
             out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+    def request_rate(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> float:
+        """The session's request rate (requests/s), an exponential moving average; 0 if unknown."""
+        gap = self._gaps.get((namespace, session_id))
+        return 1.0 / gap if gap else 0.0
+
+    def _record_signals(self, request: GenerationRequest, session: Session, prompt_ids: list[int]) -> None:
+        """Per-session signals for the policy: the moving-average gap between requests (which
+        becomes the expected time to the next use of the session's blocks) and the extent of the
+        system prompt (whose blocks are protected from demotion like the attention sinks)."""
+        key = (session.namespace, session.id)
+        now = time.monotonic()
+        last = self._last_request.get(key)
+        self._last_request[key] = now
+        if last is not None:
+            gap = now - last
+            previous = self._gaps.get(key)
+            self._gaps[key] = gap if previous is None else 0.7 * previous + 0.3 * gap
+        keys = session.all_keys()
+        if key in self._gaps:
+            self.store.blocks.set_next_use(keys, self._gaps[key])
+        messages = request.messages or []
+        if messages and messages[0].get("role") == "system":
+            system_ids = self.model.tokenizer.apply_chat_template([messages[0]], tokenize=True)
+            system_ids = system_ids["input_ids"] if hasattr(system_ids, "keys") else system_ids
+            # the blocks that lie wholly inside the rendered system message
+            full = (
+                min(_common_prefix(list(system_ids), prompt_ids), session.num_tokens)
+                // self.store.layout.block_tokens
+            )
+            self.store.blocks.protect(session.block_keys[:full])
 
     def _record_importance(self, session: Session) -> None:
         """Credit each of the session's blocks with the attention mass it received this request."""

@@ -52,6 +52,8 @@ class BlockStats:
     """Relative cost of bringing it back from the tier below (decode + transfer)."""
     namespace: str | None = None
     """The namespace (tenant) the block belongs to, once known."""
+    protected: bool = False
+    """Part of a system prompt: demoted only after every unprotected block."""
     start_pos: int = -1
     """Position of the block's first token in its sequence (0: holds the attention sinks)."""
     demoted_at: float | None = None
