@@ -182,14 +182,17 @@ async def list_models(request: Request, tenant: str = Depends(require_tenant)) -
     }
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, tenant: str = Depends(require_tenant)
+async def _respond(
+    ctx: ServerContext,
+    job: _Job,
+    *,
+    stream: bool,
+    id_prefix: str,
+    kind: str,
+    choice: Callable[[Response], dict[str, Any]],
 ) -> JSONResponse | StreamingResponse:
-    ctx = context(request)
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    job = _job(ctx, request, body, tenant, messages=messages)
-    if body.stream:
+    """Stream the job as server-sent events, or run it and answer one JSON body of ``kind``."""
+    if stream:
         return await _stream(ctx, job)
     try:
         response = await run_in_threadpool(_run, ctx, job)
@@ -197,22 +200,34 @@ async def chat_completions(
         raise _api_error(exc) from exc
     return JSONResponse(
         {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": kind,
             "created": int(time.time()),
             "model": ctx.config.model_name,
             "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": response.text},
-                    "finish_reason": response.finish_reason,
-                    "logprobs": None,
-                }
+                {"index": 0, **choice(response), "finish_reason": response.finish_reason, "logprobs": None}
             ],
             "usage": _usage(response),
             "kvstrata": _extension(job, response),
         },
         headers=_headers(job),
+    )
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, tenant: str = Depends(require_tenant)
+) -> JSONResponse | StreamingResponse:
+    ctx = context(request)
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    job = _job(ctx, request, body, tenant, messages=messages)
+    return await _respond(
+        ctx,
+        job,
+        stream=bool(body.stream),
+        id_prefix="chatcmpl",
+        kind="chat.completion",
+        choice=lambda r: {"message": {"role": "assistant", "content": r.text}},
     )
 
 
@@ -222,25 +237,13 @@ async def completions(
 ) -> JSONResponse | StreamingResponse:
     ctx = context(request)
     job = _job(ctx, request, body, tenant, prompt=body.prompt)
-    if body.stream:
-        return await _stream(ctx, job)
-    try:
-        response = await run_in_threadpool(_run, ctx, job)
-    except (APIError, KVStrataError) as exc:
-        raise _api_error(exc) from exc
-    return JSONResponse(
-        {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": ctx.config.model_name,
-            "choices": [
-                {"index": 0, "text": response.text, "finish_reason": response.finish_reason, "logprobs": None}
-            ],
-            "usage": _usage(response),
-            "kvstrata": _extension(job, response),
-        },
-        headers=_headers(job),
+    return await _respond(
+        ctx,
+        job,
+        stream=bool(body.stream),
+        id_prefix="cmpl",
+        kind="text_completion",
+        choice=lambda r: {"text": r.text},
     )
 
 
