@@ -32,7 +32,7 @@ from kvstrata.errors import (
     SessionNotFoundError,
     TierUnavailableError,
 )
-from kvstrata.keys import BlockKey, chain_key
+from kvstrata.keys import BlockKey, session_chain
 from kvstrata.kvbin import decode_record, encode_record
 from kvstrata.sessions import Session, validate_session_id
 from kvstrata.store import KVStore
@@ -148,17 +148,14 @@ def read_archive(data: bytes) -> tuple[ArchiveHeader, Session, list[tuple[BlockK
     return header, session, blocks
 
 
-def _key_chain(
-    store: KVStore, namespace: str, token_ids: list[int], full_blocks: int
-) -> tuple[list[BlockKey], BlockKey | None]:
-    bt = store.layout.block_tokens
-    parent = store.root_key(namespace)
-    keys = []
-    for i in range(full_blocks):
-        parent = chain_key(parent, token_ids[i * bt : (i + 1) * bt])
-        keys.append(parent)
-    rest = token_ids[full_blocks * bt :]
-    return keys, (chain_key(parent, rest) if rest else None)
+def _key_chain(store: KVStore, namespace: str, session: Session) -> tuple[list[BlockKey], BlockKey | None]:
+    return session_chain(
+        store.root_key(namespace),
+        session.token_ids,
+        store.layout.block_tokens,
+        session.lineage,
+        session.lineage_from,
+    )
 
 
 def import_session(
@@ -176,7 +173,7 @@ def import_session(
     full = len(archived.block_keys)
     if full != archived.num_tokens // bt or (archived.tail_key is not None) != bool(archived.num_tokens % bt):
         raise CorruptBlockError("archive manifest: block count does not match its token count")
-    expected = _key_chain(store, archived.namespace, archived.token_ids, full)
+    expected = _key_chain(store, archived.namespace, archived)
     if expected != (archived.block_keys, archived.tail_key):
         raise CorruptBlockError("archive manifest: block keys are not the hash chain of its tokens")
     for i, (_, start_pos, encoded) in enumerate(blocks):
@@ -193,7 +190,7 @@ def import_session(
         pass
     else:
         raise SessionExistsError(f"session {target_ns}/{session_id} already exists")
-    new_keys, new_tail = _key_chain(store, target_ns, archived.token_ids, full)
+    new_keys, new_tail = _key_chain(store, target_ns, archived)
     # Blocks first, durably; the session is committed last, so an interrupted import leaves at
     # most unreferenced blocks (collected by gc), never a session naming a missing block.
     for key, (_, start_pos, encoded) in zip(
@@ -208,5 +205,6 @@ def import_session(
     session.block_keys = new_keys
     session.tail_key = new_tail
     session.parent = archived.parent
+    session.lineage, session.lineage_from = archived.lineage, archived.lineage_from
     store.checkpoint(session)
     return session

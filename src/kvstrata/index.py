@@ -52,6 +52,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     last_access REAL NOT NULL,
     version INTEGER NOT NULL DEFAULT 1,
     remote_version INTEGER NOT NULL DEFAULT 0,
+    lineage BLOB,
+    lineage_from INTEGER,
     PRIMARY KEY (namespace, id)
 ) WITHOUT ROWID;
 """
@@ -87,11 +89,13 @@ class SessionRow:
     last_access: float
     version: int
     remote_version: int = 0
+    lineage: bytes | None = None
+    lineage_from: int | None = None
 
 
 _SESSION_COLUMNS = (
     "namespace, id, model_fingerprint, token_ids, block_keys, tail_key, num_tokens, priority, "
-    "pinned, ttl_s, parent, created, last_access, version, remote_version"
+    "pinned, ttl_s, parent, created, last_access, version, remote_version, lineage, lineage_from"
 )
 
 
@@ -101,6 +105,7 @@ class Index:
         self.read_only = read_only
         self.closed = False
         self._lock = threading.RLock()
+        self._select_columns = _SESSION_COLUMNS
         try:
             if read_only:
                 self._db = sqlite3.connect(
@@ -112,6 +117,12 @@ class Index:
                 )
                 self.layout = self._check_meta(layout)
                 self._pending_access: dict[BlockKey, tuple[float, int]] = {}
+                columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)").fetchall()}
+                defaults = {"remote_version": "0", "lineage": "NULL", "lineage_from": "NULL"}
+                self._select_columns = ", ".join(  # columns a writer has not migrated yet read as unset
+                    name if name in columns or name not in defaults else f"{defaults[name]} AS {name}"
+                    for name in _SESSION_COLUMNS.split(", ")
+                )
                 return
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
             app_id = self._db.execute("PRAGMA application_id").fetchone()[0]
@@ -127,6 +138,9 @@ class Index:
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)").fetchall()}
             if "remote_version" not in columns:  # stores created before the remote tier existed
                 self._db.execute("ALTER TABLE sessions ADD COLUMN remote_version INTEGER NOT NULL DEFAULT 0")
+            if "lineage" not in columns:  # stores created before the lossy memory modes existed
+                self._db.execute("ALTER TABLE sessions ADD COLUMN lineage BLOB")
+                self._db.execute("ALTER TABLE sessions ADD COLUMN lineage_from INTEGER")
         except sqlite3.DatabaseError as exc:
             raise StoreFormatError(f"{path}: not a readable kvstrata index ({exc})") from exc
         self.layout = self._check_meta(layout)
@@ -247,7 +261,7 @@ class Index:
     def put_session(self, row: SessionRow) -> None:
         with self.transaction() as db:
             db.execute(
-                f"INSERT OR REPLACE INTO sessions ({_SESSION_COLUMNS}) VALUES ({', '.join('?' * 15)})",
+                f"INSERT OR REPLACE INTO sessions ({_SESSION_COLUMNS}) VALUES ({', '.join('?' * 17)})",
                 (
                     row.namespace,
                     row.id,
@@ -264,13 +278,15 @@ class Index:
                     row.last_access,
                     row.version,
                     row.remote_version,
+                    row.lineage,
+                    row.lineage_from,
                 ),
             )
 
     def get_session(self, namespace: str, session_id: str) -> SessionRow | None:
         with self._lock:
             row = self._db.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE namespace = ? AND id = ?",
+                f"SELECT {self._select_columns} FROM sessions WHERE namespace = ? AND id = ?",
                 (namespace, session_id),
             ).fetchone()
         return _session_row(row) if row else None
@@ -336,6 +352,8 @@ def _session_row(row: tuple) -> SessionRow:  # type: ignore[type-arg]
         last,
         version,
         remote_version,
+        lineage,
+        lineage_from,
     ) = row
     return SessionRow(
         namespace,
@@ -353,4 +371,6 @@ def _session_row(row: tuple) -> SessionRow:  # type: ignore[type-arg]
         last,
         version,
         remote_version,
+        lineage,
+        lineage_from,
     )

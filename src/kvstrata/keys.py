@@ -21,6 +21,8 @@ BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 32
 _ROOT_PERSON = b"kvstrata-root"
 _BLOCK_PERSON = b"kvstrata-block"
+_PRUNED_PERSON = b"kvstrata-pruned"
+LINEAGE_BYTES = 16
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -51,6 +53,57 @@ def chain_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockK
     h.update((len(tokens) // 4).to_bytes(4, "little"))
     h.update(tokens)
     return BlockKey(h.digest())
+
+
+def pruned_parent(parent: BlockKey, lineage: bytes) -> BlockKey:
+    """The parent a session's first block computed over a *pruned* context chains from.
+
+    A lossy memory mode (a sliding window, an importance budget) computes new tokens' KV while
+    attending to only part of the history, so that KV differs from the exact KV of the same
+    tokens. Chaining it from ``pruned_parent(parent, lineage)`` (``lineage``: random bytes the
+    session drew when it first pruned) gives it keys that can never equal an exact block's key or
+    another session's, while every later block still chains from it as usual.
+    """
+    if len(lineage) != LINEAGE_BYTES:
+        raise ConfigError(f"a lineage has {LINEAGE_BYTES} bytes, got {len(lineage)}")
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PRUNED_PERSON)
+    h.update(parent)
+    h.update(lineage)
+    return BlockKey(h.digest())
+
+
+def block_parent(
+    parent: BlockKey, block_start: int, num_tokens: int, lineage: bytes | None, lineage_from: int | None
+) -> BlockKey:
+    """The parent to chain the block of tokens ``block_start .. +num_tokens`` from: ``parent``,
+    or its pruned variant for the block that holds token ``lineage_from`` (the first token whose
+    KV was computed over a pruned context)."""
+    if lineage is None or lineage_from is None:
+        return parent
+    if block_start <= lineage_from < block_start + num_tokens:
+        return pruned_parent(parent, lineage)
+    return parent
+
+
+def session_chain(
+    root: BlockKey,
+    token_ids: Sequence[int] | np.ndarray,
+    block_tokens: int,
+    lineage: bytes | None = None,
+    lineage_from: int | None = None,
+) -> tuple[list[BlockKey], BlockKey | None]:
+    """The keys of a session's full blocks and of its partial tail (None if it has none)."""
+    array = np.asarray(token_ids, dtype=np.int64)
+    keys: list[BlockKey] = []
+    parent = root
+    for start in range(0, len(array), block_tokens):
+        chunk = array[start : start + block_tokens]
+        key = chain_key(block_parent(parent, start, len(chunk), lineage, lineage_from), chunk)
+        if len(chunk) < block_tokens:
+            return keys, key
+        keys.append(key)
+        parent = key
+    return keys, None
 
 
 def chain_keys(root: BlockKey, token_ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[BlockKey]:

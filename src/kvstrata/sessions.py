@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstrata.errors import ConfigError, CorruptBlockError
 from kvstrata.index import SessionRow
-from kvstrata.keys import KEY_BYTES, BlockKey
+from kvstrata.keys import KEY_BYTES, LINEAGE_BYTES, BlockKey
 
 MANIFEST_FORMAT = 1
 
@@ -98,6 +98,15 @@ class Session:
     checkpointed_tokens: int = 0
     remote_version: int = 0
     """The manifest version last published to (or read from) the remote tier."""
+    lineage: bytes | None = None
+    """Random bytes drawn when a lossy memory mode first pruned the session's context; the KV of
+    tokens from ``lineage_from`` on was computed over a pruned context, and their blocks are keyed
+    apart from exact ones (:func:`kvstrata.keys.pruned_parent`). None: every block is exact."""
+    lineage_from: int | None = None
+
+    @property
+    def pruned(self) -> bool:
+        return self.lineage is not None
 
     @property
     def num_tokens(self) -> int:
@@ -126,10 +135,16 @@ class Session:
             self.last_access,
             self.version,
             self.remote_version,
+            self.lineage,
+            self.lineage_from,
         )
 
     @classmethod
     def from_row(cls, row: SessionRow) -> Session:
+        if (row.lineage is None) != (row.lineage_from is None) or (
+            row.lineage is not None and len(row.lineage) != LINEAGE_BYTES
+        ):
+            raise CorruptBlockError(f"session {row.namespace}/{row.id}: index row has a malformed lineage")
         if (
             len(row.block_keys) % KEY_BYTES
             or len(row.token_ids) % 4
@@ -154,6 +169,8 @@ class Session:
             row.version,
             row.num_tokens,
             row.remote_version,
+            row.lineage,
+            row.lineage_from,
         )
 
     def to_manifest(self) -> bytes:
@@ -175,6 +192,9 @@ class Session:
             "created": row.created,
             "last_access": row.last_access,
         }
+        if row.lineage is not None:  # only sessions a lossy memory mode pruned carry these
+            body["lineage"] = row.lineage.hex()
+            body["lineage_from"] = row.lineage_from
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"crc32c": crc32c.crc32c(text.encode()), "body": text}).encode()
 
@@ -204,6 +224,8 @@ class Session:
                 float(body["last_access"]),
                 0,
                 remote_version,
+                bytes.fromhex(body["lineage"]) if "lineage" in body else None,
+                int(body["lineage_from"]) if "lineage" in body else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBlockError(f"malformed session manifest: {exc}") from exc

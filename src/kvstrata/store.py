@@ -32,7 +32,7 @@ from kvstrata.errors import (
     TierUnavailableError,
 )
 from kvstrata.index import Index
-from kvstrata.keys import BlockKey, chain_key, root_key
+from kvstrata.keys import BlockKey, block_parent, chain_key, root_key
 from kvstrata.layout import KVLayout
 from kvstrata.sessions import Priority, Session, SessionInfo, validate_session_id
 from kvstrata.stats import StoreStats
@@ -272,6 +272,8 @@ class KVStore:
             False,
             session.ttl_s,
             parent=session.id,
+            lineage=session.lineage,
+            lineage_from=session.lineage_from,
         )
         self._sessions[(child.namespace, child.id)] = child
         self.checkpoint(child)
@@ -303,9 +305,10 @@ class KVStore:
         start_pos = old_full * bt
         parent = session.block_keys[-1] if session.block_keys else self.root_key(session.namespace)
         offset = 0
+        lineage, lineage_from = session.lineage, session.lineage_from
         while len(pending_tokens) - offset >= bt:
             chunk = pending_tokens[offset : offset + bt]
-            parent = chain_key(parent, chunk)
+            parent = chain_key(block_parent(parent, start_pos + offset, bt, lineage, lineage_from), chunk)
             recent = len(session.block_keys) >= window_start
             self._put_block(parent, start_pos + offset, kv[:, :, :, offset : offset + bt], session, recent)
             session.block_keys.append(parent)
@@ -313,6 +316,7 @@ class KVStore:
         rest = pending_tokens[offset:]
         session.tail_key = None
         if rest:
+            parent = block_parent(parent, start_pos + offset, len(rest), lineage, lineage_from)
             session.tail_key = chain_key(parent, rest)
             self._put_block(session.tail_key, start_pos + offset, kv[:, :, :, offset:], session, True)
         # blocks this append pushed out of the recent window go down the ladder, in the background
@@ -365,6 +369,8 @@ class KVStore:
         session.block_keys = session.block_keys[:full]
         session.token_ids = keep_tokens[: full * bt]
         session.tail_key = None
+        if session.lineage_from is not None and session.lineage_from >= num_tokens:
+            session.lineage = session.lineage_from = None  # what is left was all computed exactly
         if partial_kv is not None:
             self.append(session, keep_tokens[full * bt :], partial_kv)
 

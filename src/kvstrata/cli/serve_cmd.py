@@ -44,14 +44,25 @@ def serve(
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", min=1, help="Longest prompt accepted.")
     ] = 32768,
+    background_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--background-memory",
+            envvar="KVSTRATA_BACKGROUND_MEMORY",
+            help="Lossy memory mode for long background sessions: window:TOKENS (sinks + recent "
+            "blocks) or importance:TOKENS (sinks + recent + most attended blocks). Off by default.",
+        ),
+    ] = None,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, session admin and /metrics over HTTP."""
     import uvicorn
 
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
+    from kvstrata.policy.memory import MemoryMode, MemoryModeKind
     from kvstrata.server import ServerConfig, create_app
     from kvstrata.server.auth import ENV_VAR, ApiKeys, check_bind
+    from kvstrata.sessions import Priority
     from kvstrata.store import KVStore
 
     try:
@@ -64,7 +75,15 @@ def serve(
             remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
         )
         kv = KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config)
-        engine = Engine(loaded, kv)
+        modes = {}
+        if background_memory:
+            modes[Priority.BACKGROUND] = MemoryMode.parse(background_memory)
+        engine = Engine(
+            loaded,
+            kv,
+            memory_modes=modes,
+            track_importance=any(m.kind is MemoryModeKind.IMPORTANCE for m in modes.values()),
+        )
 
         def shutdown() -> None:
             # flushes queued writes, persists the counters and closes the index

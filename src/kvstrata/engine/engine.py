@@ -16,10 +16,11 @@ One request goes through these steps:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ import torch
 from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 from kvstrata.integrations.transformers.model import LoadedModel
+from kvstrata.keys import LINEAGE_BYTES
+from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 from kvstrata.sessions import Priority, Session
 from kvstrata.store import DEFAULT_NAMESPACE, KVStore, LoadedKV
 from kvstrata.tiers.base import TierLevel
@@ -58,6 +61,9 @@ class Response:
     diverged_at: int | None = None
     """Where the prompt first differed from the session's stored tokens (an edited history, or
     an answer that tokenises differently when re-rendered); the KV after it was dropped."""
+    attended_tokens: int | None = None
+    """With a lossy memory mode: how many of the ``cached_tokens`` the request attended to (the
+    kept blocks); None when it attended to all of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,9 @@ class _Prefix:
     by_tier: dict[str, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     diverged_at: int | None = None
+    kept_blocks: list[int] | None = None
+    """Set when a memory mode pruned the prefix: the session's full blocks ``kv`` holds (then
+    the tail), in order; ``kv`` has fewer tokens than ``num_tokens``."""
 
 
 class ResponseStream:
@@ -121,13 +130,21 @@ class Engine:
         queue_limit: int = 64,
         l1_resident_sessions: int = 4,
         track_importance: bool = False,
+        memory_modes: Mapping[Priority | str, MemoryMode] | None = None,
     ) -> None:
         """``l1_resident_sessions``: how many sessions' KV may stay decoded in device memory
         between their requests; the least recently served beyond that are demoted to L2.
         ``track_importance``: measure the attention mass each block receives (eager attention
-        through a registered hook) and feed it to the store's cost-based eviction."""
+        through a registered hook) and feed it to the store's cost-based eviction.
+        ``memory_modes``: lossy memory modes per priority class (off by default), for example
+        ``{"background": MemoryMode("importance", 1024)}``; see :mod:`kvstrata.policy.memory`."""
         if l1_resident_sessions < 1:
             raise ConfigError("l1_resident_sessions must be >= 1")
+        self.memory_modes = {Priority.parse(p): mode for p, mode in (memory_modes or {}).items()}
+        for mode in self.memory_modes.values():
+            mode.budget_blocks(store.layout.block_tokens)  # raises on a budget too small
+            if mode.kind is MemoryModeKind.IMPORTANCE and not track_importance:
+                raise ConfigError("the importance memory mode needs track_importance=True")
         layout = model.layout(store.layout.block_tokens)
         if layout != store.layout:
             raise ConfigError(f"the model's KV layout {layout} does not match the store's {store.layout}")
@@ -259,15 +276,20 @@ class Engine:
             session = self.store.create_session(
                 request.session_id, request.namespace, priority=request.priority, exist_ok=True
             )
+            mode = self.memory_modes.get(session.priority)
             with torch.inference_mode():
-                prefix = self._find_prefix(session, prompt_ids)
+                pruned = self._find_pruned_prefix(session, prompt_ids, mode) if mode else None
+                prefix = pruned or self._find_prefix(session, prompt_ids)
         else:
             prefix = _Prefix(None, 0, _tier_names({}))
         start = prefix.num_tokens
+        # cache slots hold the attended tokens; with a pruned prefix, fewer than their positions
+        slots = prefix.kv.shape[3] if prefix.kv is not None and prefix.kept_blocks is not None else start
+        position_offset = start - slots
         total_new = len(prompt_ids) - start + request.max_new_tokens
         with torch.inference_mode():
             cache = KVStrataCache.from_kv(
-                prefix.kv[:, :, :, :start] if prefix.kv is not None else None,
+                prefix.kv[:, :, :, :slots] if prefix.kv is not None else None,
                 len(self._devices),
                 devices=self._devices,
                 extra_tokens=total_new,
@@ -276,7 +298,7 @@ class Engine:
         if request.temperature > 0 and request.seed is not None:
             generator = torch.Generator(device=self._devices[-1]).manual_seed(request.seed)
 
-        logits = self._forward(prompt_ids[start:], cache)
+        logits = self._forward(prompt_ids[start:], cache, position_offset)
         generated: list[int] = []
         text = ""
         ttft_s = 0.0
@@ -298,7 +320,7 @@ class Engine:
                 text = new_text
             if len(generated) >= request.max_new_tokens:
                 break
-            logits = self._forward([token], cache)
+            logits = self._forward([token], cache, position_offset)
         decode_s = time.perf_counter() - decode_started
         final_text = tokenizer.decode(generated, skip_special_tokens=True)
         if len(final_text) > len(text) and final_text.startswith(text):
@@ -308,13 +330,23 @@ class Engine:
             # The last generated token was never fed to the model, so it has no KV: the session
             # stops before it, and the next turn prefills it (as part of its prompt).
             new_ids = prompt_ids[start:] + generated[:-1]
-            assert cache.get_seq_length() == start + len(new_ids)
+            assert cache.get_seq_length() == slots + len(new_ids)
+            bt = self.store.layout.block_tokens
+            if prefix.kept_blocks is not None and new_ids and not session.pruned:
+                # From here on the session's KV is computed over a pruned context: its blocks
+                # get keys of their own lineage, apart from exact blocks of the same tokens.
+                session.lineage, session.lineage_from = os.urandom(LINEAGE_BYTES), start
             with torch.inference_mode():
                 if new_ids:
-                    self.store.append(session, new_ids, cache.new_kv(start))
+                    self.store.append(session, new_ids, cache.new_kv(slots))
                 self.store.checkpoint(session)
             self._keep_resident(session)
-            self._record_importance(session)
+            self._record_importance(session, prefix.kept_blocks)
+            if prefix.kept_blocks is not None:  # blocks the session no longer attends to
+                kept = set(prefix.kept_blocks)
+                self.store.blocks.demote_from_l1(
+                    k for i, k in enumerate(session.block_keys) if i not in kept and i * bt < start
+                )
             self._record_signals(request, session, prompt_ids)
 
         return Response(
@@ -335,6 +367,7 @@ class Engine:
             total_ms=(time.perf_counter() - started) * 1e3,
             recomputed_reason="; ".join(prefix.reasons) or None,
             diverged_at=prefix.diverged_at,
+            attended_tokens=slots if prefix.kept_blocks is not None else None,
         )
 
     def forget(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -356,13 +389,27 @@ class Engine:
             self.store.blocks.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
 
     @torch.inference_mode()
-    def _forward(self, token_ids: Sequence[int], cache: KVStrataCache) -> torch.Tensor:
+    def _forward(
+        self, token_ids: Sequence[int], cache: KVStrataCache, position_offset: int = 0
+    ) -> torch.Tensor:
+        """Logits after ``token_ids``. ``position_offset``: how far the tokens' positions lie past
+        their cache slots (a pruned prefix keeps its original positions; so do the new tokens)."""
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._input_device)
+        kwargs: dict[str, Any] = {}
+        if position_offset:
+            first = cache.get_seq_length() + position_offset
+            kwargs["position_ids"] = torch.arange(
+                first, first + len(token_ids), device=self._input_device
+            ).unsqueeze(0)
         if self._tracker is not None:
             with self._tracker.attached(self.model.model):
-                out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+                out = self.model.model(
+                    input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+                )
         else:
-            out = self.model.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            out = self.model.model(
+                input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+            )
         return out.logits[0, -1].float()
 
     def request_rate(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> float:
@@ -396,11 +443,14 @@ class Engine:
             )
             self.store.blocks.protect(session.block_keys[:full])
 
-    def _record_importance(self, session: Session) -> None:
-        """Credit each of the session's blocks with the attention mass it received this request."""
+    def _record_importance(self, session: Session, kept_blocks: list[int] | None = None) -> None:
+        """Credit each of the session's blocks with the attention mass it received this request.
+
+        With a pruned prefix the cache's first blocks were the kept full blocks: only those are
+        credited (the slots after them do not line up with the session's blocks)."""
         if self._tracker is None:
             return
-        keys = session.all_keys()
+        keys = session.all_keys() if kept_blocks is None else [session.block_keys[i] for i in kept_blocks]
         mass = self._tracker.normalized(len(keys))
         self._tracker.reset()
         self.store.blocks.add_importance(zip(keys, mass.tolist(), strict=True))
@@ -429,7 +479,8 @@ class Engine:
         best = _Prefix(own.kv if kept else None, kept, _tier_names(by_tier), reasons, diverged_at)
 
         bt = store.layout.block_tokens
-        if usable // bt * bt > best.num_tokens:
+        # (a pruned session's blocks are not the exact chain: shared exact blocks cannot extend it)
+        if usable // bt * bt > best.num_tokens and not session.pruned:
             shared_keys = store.match_prefix(session.namespace, prompt_ids[:usable])
             if len(shared_keys) * bt > best.num_tokens:
                 shared = store.load_blocks(shared_keys, len(shared_keys) * bt, priority=session.priority)
@@ -443,6 +494,35 @@ class Engine:
                     )
         assert session.token_ids == prompt_ids[: best.num_tokens]
         return best
+
+    def _find_pruned_prefix(
+        self, session: Session, prompt_ids: list[int], mode: MemoryMode
+    ) -> _Prefix | None:
+        """With a memory mode, when the prompt continues the session and its history exceeds the
+        mode's budget: load only the kept blocks (and the tail). None when the ordinary path
+        applies: within the budget, an edited history (truncated there), or a kept block lost
+        (recomputed from there)."""
+        bt = self.store.layout.block_tokens
+        if session.num_tokens > len(prompt_ids) - 1:
+            return None
+        if _common_prefix(session.token_ids, prompt_ids) < session.num_tokens:
+            return None
+        full = len(session.block_keys)
+        importance = None
+        if mode.kind is MemoryModeKind.IMPORTANCE:
+            importance = [self.store.blocks.importance(key) for key in session.block_keys]
+        kept = mode.keep(full, bt, importance)
+        if kept is None:
+            return None
+        keys = [session.block_keys[i] for i in kept]
+        if session.tail_key is not None:
+            keys.append(session.tail_key)
+        want = len(kept) * bt + session.num_tokens - full * bt
+        loaded = self.store.load_blocks(keys, want, full_blocks=len(kept), priority=session.priority)
+        if loaded.kv is None or loaded.num_tokens < want:
+            return None
+        session.last_access = time.time()
+        return _Prefix(loaded.kv, session.num_tokens, _tier_names(loaded.tokens_by_tier), kept_blocks=kept)
 
     def _truncate(self, session: Session, num_tokens: int, reasons: list[str]) -> None:
         try:

@@ -32,6 +32,7 @@ from kvstrata.eval.codec_quality import (
 )
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import LoadedModel, layout_for_config
+from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 
 MODES = ("full", "recent", "sinks+recent", "importance")
 
@@ -57,19 +58,22 @@ def block_scores(
     return mass / visible
 
 
-def choose_blocks(mode: str, scores: torch.Tensor, keep: int) -> list[int]:
+def choose_blocks(mode: str, scores: torch.Tensor, keep: int, block_tokens: int = 64) -> list[int]:
+    """The ``keep`` blocks (of ``scores.numel()``) each mode attends to. ``sinks+recent`` and
+    ``importance`` are the runtime memory modes (:class:`MemoryMode`, one sink block and one
+    recent block protected), so the figures measure the code the engine runs."""
     n = scores.numel()
     if mode == "full":
         return list(range(n))
     if mode == "recent":
         return list(range(n - keep, n))
-    protected = {0, n - 1}  # attention sinks live in the first block; the newest block is recent
-    if mode == "sinks+recent":
-        return sorted({0, *range(n - (keep - 1), n)})
-    if mode == "importance":
-        rest = [b for b in torch.argsort(scores, descending=True).tolist() if b not in protected]
-        return sorted(protected | set(rest[: keep - len(protected)]))
-    raise ConfigError(f"unknown eviction mode {mode!r}; known: {', '.join(MODES)}")
+    kinds = {"sinks+recent": MemoryModeKind.WINDOW, "importance": MemoryModeKind.IMPORTANCE}
+    if mode not in kinds:
+        raise ConfigError(f"unknown eviction mode {mode!r}; known: {', '.join(MODES)}")
+    # the runtime budget counts one block for the tail (here: the scored tokens that follow)
+    runtime = MemoryMode(kinds[mode], (keep + 1) * block_tokens, sink_blocks=1, recent_blocks=1)
+    kept = runtime.keep(n, block_tokens, scores.tolist())
+    return list(range(n)) if kept is None else kept
 
 
 def evaluate_eviction(
@@ -103,7 +107,7 @@ def evaluate_eviction(
         stats = {}
         kept = {}
         for mode in MODES:
-            kept[mode] = choose_blocks(mode, scores, keep)
+            kept[mode] = choose_blocks(mode, scores, keep, block_tokens)
             positions = torch.cat(
                 [torch.arange(b * block_tokens, (b + 1) * block_tokens) for b in kept[mode]]
             )
