@@ -61,6 +61,8 @@ def test_importance_keeps_sinks_recent_and_the_most_attended_blocks() -> None:
     assert mode.keep(10, BT, scores) == [0, 2, 5, 8, 9]
     # ties go to the more recent block
     assert mode.keep(10, BT, [0.0] * 10) == [0, 6, 7, 8, 9]
+    # system-prompt blocks are kept before the most attended ones, as far as the budget goes
+    assert mode.keep(10, BT, scores, protected=[1, 2, 3]) == [0, 1, 2, 8, 9]
     with pytest.raises(ConfigError, match="score for every block"):
         mode.keep(10, BT, None)
 

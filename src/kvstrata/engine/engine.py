@@ -511,7 +511,9 @@ class Engine:
         importance = None
         if mode.kind is MemoryModeKind.IMPORTANCE:
             importance = [self.store.blocks.importance(key) for key in session.block_keys]
-        kept = mode.keep(full, bt, importance)
+        stats = [self.store.blocks.stats_of(key) for key in session.block_keys]
+        system = [i for i, st in enumerate(stats) if st is not None and st.protected]
+        kept = mode.keep(full, bt, importance, protected=system)
         if kept is None:
             return None
         keys = [session.block_keys[i] for i in kept]

@@ -69,21 +69,28 @@ class MemoryMode:
         return blocks
 
     def keep(
-        self, num_full_blocks: int, block_tokens: int, importance: Sequence[float] | None = None
+        self,
+        num_full_blocks: int,
+        block_tokens: int,
+        importance: Sequence[float] | None = None,
+        protected: Sequence[int] = (),
     ) -> list[int] | None:
         """Indices of the full blocks to keep (ascending), or None when all fit in the budget.
 
         One block of the budget is reserved for the tail (the partial last block, or the first
         block the new tokens fill), so that the cache never exceeds the budget by more than the
-        new tokens of one request."""
+        new tokens of one request. ``protected`` blocks (a system prompt) are kept after the
+        sinks and the recent blocks, earliest first, as far as the budget allows."""
         budget = self.budget_blocks(block_tokens) - 1
         if num_full_blocks <= budget:
             return None
         sinks = list(range(min(self.sink_blocks, num_full_blocks)))
         recent = list(range(max(len(sinks), num_full_blocks - self.recent_blocks), num_full_blocks))
-        protected = set(sinks) | set(recent)
-        room = budget - len(protected)
-        middle = [b for b in range(num_full_blocks) if b not in protected]
+        always = set(sinks) | set(recent)
+        extra = sorted(b for b in set(protected) if 0 <= b < num_full_blocks and b not in always)
+        fixed = always | set(extra[: max(0, budget - len(always))])
+        room = budget - len(fixed)
+        middle = [b for b in range(num_full_blocks) if b not in fixed]
         if self.kind is MemoryModeKind.WINDOW or room <= 0:
             chosen = middle[len(middle) - room :] if room > 0 else []
         else:
@@ -92,4 +99,4 @@ class MemoryMode:
             # most important first; ties go to the more recent block
             ranked = sorted(middle, key=lambda b: (importance[b], b), reverse=True)
             chosen = ranked[:room]
-        return sorted(protected | set(chosen))
+        return sorted(fixed | set(chosen))
