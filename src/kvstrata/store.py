@@ -52,6 +52,9 @@ class LoadedKV:
     num_tokens: int
     tokens_by_tier: dict[TierLevel, int]
     missing_from_token: int | None
+    buffer: torch.Tensor | None = None
+    """The ``(2, L, H, capacity, D)`` tensor ``kv`` is the first ``num_tokens`` tokens of (room
+    for the tokens to come, so that a cache can adopt it instead of copying the KV again)."""
 
 
 class KVStore:
@@ -375,16 +378,23 @@ class KVStore:
             self.append(session, keep_tokens[full * bt :], partial_kv)
 
     # -- reading KV ------------------------------------------------------------------------------
-    def load(self, session: Session, num_tokens: int | None = None) -> LoadedKV:
+    def load(
+        self, session: Session, num_tokens: int | None = None, *, capacity: int | None = None
+    ) -> LoadedKV:
         """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor.
 
         Stops at the first block no tier can serve (lost, corrupt); ``missing_from_token`` then
-        says where, and the caller recomputes from there.
+        says where, and the caller recomputes from there. ``capacity``: tokens to make room for
+        in the returned ``buffer`` (the prompt and the answer to come).
         """
         want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
         session.last_access = time.time()
         return self.load_blocks(
-            session.all_keys(), want, full_blocks=len(session.block_keys), priority=session.priority
+            session.all_keys(),
+            want,
+            full_blocks=len(session.block_keys),
+            priority=session.priority,
+            capacity=capacity,
         )
 
     def load_blocks(
@@ -394,18 +404,22 @@ class KVStore:
         *,
         full_blocks: int | None = None,
         priority: Priority | str | None = None,
+        capacity: int | None = None,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
         tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks.
-        With ``priority``, blocks stored lossier than that class accepts count as missing."""
+        With ``priority``, blocks stored lossier than that class accepts count as missing.
+
+        Each block is copied once, straight into one preallocated tensor of ``capacity`` tokens
+        (at least ``num_tokens``): ``LoadedKV.buffer``, which ``KVStrataCache`` adopts as is."""
         prio = Priority.parse(priority) if priority is not None else None
         max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
         bt = self.layout.block_tokens
         full = len(keys) if full_blocks is None else full_blocks
         want = len(keys) * bt if num_tokens is None else num_tokens
-        parts: list[torch.Tensor] = []
         by_tier: dict[TierLevel, int] = {}
         got = 0
+        buffer: torch.Tensor | None = None
         with self.blocks.hold(keys):
             for i, key in enumerate(keys):
                 if got >= want:
@@ -418,11 +432,15 @@ class KVStore:
                 if i < full and tensor.shape[3] != bt:
                     break
                 take = min(tensor.shape[3], want - got)
-                parts.append(tensor[:, :, :, :take])
+                if buffer is None:
+                    shape = self.layout.block_shape(max(want, capacity or 0))
+                    buffer = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+                # copies out of the pool while the blocks are held
+                buffer[:, :, :, got : got + take].copy_(tensor[:, :, :, :take])
                 by_tier[level] = by_tier.get(level, 0) + take
                 got += take
-            kv = torch.cat(parts, dim=3) if parts else None  # copies out of the pool while held
-        return LoadedKV(kv, got, by_tier, None if got >= want else got)
+        kv = buffer[:, :, :, :got] if buffer is not None else None
+        return LoadedKV(kv, got, by_tier, None if got >= want else got, buffer)
 
     # -- durability ------------------------------------------------------------------------------
     def checkpoint(self, session: Session) -> None:

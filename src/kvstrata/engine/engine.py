@@ -97,6 +97,8 @@ class _Prefix:
     by_tier: dict[str, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     diverged_at: int | None = None
+    source: LoadedKV | None = None
+    """What the store returned (its buffer has room for the request's tokens: the cache adopts it)."""
     kept_blocks: list[int] | None = None
     """Set when a memory mode pruned the prefix: the session's full blocks ``kv`` holds (then
     the tail), in order; ``kv`` has fewer tokens than ``num_tokens``."""
@@ -278,8 +280,9 @@ class Engine:
             )
             mode = self.memory_modes.get(session.priority)
             with torch.inference_mode():
-                pruned = self._find_pruned_prefix(session, prompt_ids, mode) if mode else None
-                prefix = pruned or self._find_prefix(session, prompt_ids)
+                capacity = len(prompt_ids) + request.max_new_tokens
+                pruned = self._find_pruned_prefix(session, prompt_ids, mode, capacity) if mode else None
+                prefix = pruned or self._find_prefix(session, prompt_ids, capacity)
         else:
             prefix = _Prefix(None, 0, _tier_names({}))
         start = prefix.num_tokens
@@ -288,12 +291,17 @@ class Engine:
         position_offset = start - slots
         total_new = len(prompt_ids) - start + request.max_new_tokens
         with torch.inference_mode():
-            cache = KVStrataCache.from_kv(
-                prefix.kv[:, :, :, :slots] if prefix.kv is not None else None,
-                len(self._devices),
-                devices=self._devices,
-                extra_tokens=total_new,
-            )
+            if prefix.source is not None:  # adopts the store's buffer when it has room
+                cache = KVStrataCache.from_loaded(
+                    prefix.source, slots, devices=self._devices, extra_tokens=total_new
+                )
+            else:
+                cache = KVStrataCache.from_kv(
+                    prefix.kv[:, :, :, :slots] if prefix.kv is not None else None,
+                    len(self._devices),
+                    devices=self._devices,
+                    extra_tokens=total_new,
+                )
         generator = None
         if request.temperature > 0 and request.seed is not None:
             generator = torch.Generator(device=self._devices[-1]).manual_seed(request.seed)
@@ -456,7 +464,7 @@ class Engine:
         self.store.blocks.add_importance(zip(keys, mass.tolist(), strict=True))
 
     # -- prefix reuse ----------------------------------------------------------------------------
-    def _find_prefix(self, session: Session, prompt_ids: list[int]) -> _Prefix:
+    def _find_prefix(self, session: Session, prompt_ids: list[int], capacity: int = 0) -> _Prefix:
         """Load the longest cached prefix of ``prompt_ids`` (leaving at least one token), and make
         the session's tokens exactly that prefix."""
         store = self.store
@@ -467,7 +475,7 @@ class Engine:
         diverged_at = common if common < session.num_tokens else None
         # Load before truncating, so that the tiers reported are where the KV was found (the
         # truncation reads a kept partial block again, from memory by then).
-        own = store.load(session, own_tokens) if own_tokens else _empty_load()
+        own = store.load(session, own_tokens, capacity=capacity) if own_tokens else _empty_load()
         if own.missing_from_token is not None:
             reasons.append(
                 f"a block at token {own.missing_from_token} was lost or corrupt; recomputed from there"
@@ -476,27 +484,36 @@ class Engine:
             self._truncate(session, own.num_tokens, reasons)
         kept = session.num_tokens  # below own.num_tokens only if the kept partial block was lost
         by_tier = own.tokens_by_tier if kept == own.num_tokens else {}
-        best = _Prefix(own.kv if kept else None, kept, _tier_names(by_tier), reasons, diverged_at)
+        best = _Prefix(
+            own.kv if kept else None, kept, _tier_names(by_tier), reasons, diverged_at, own if kept else None
+        )
 
         bt = store.layout.block_tokens
         # (a pruned session's blocks are not the exact chain: shared exact blocks cannot extend it)
         if usable // bt * bt > best.num_tokens and not session.pruned:
             shared_keys = store.match_prefix(session.namespace, prompt_ids[:usable])
             if len(shared_keys) * bt > best.num_tokens:
-                shared = store.load_blocks(shared_keys, len(shared_keys) * bt, priority=session.priority)
+                shared = store.load_blocks(
+                    shared_keys, len(shared_keys) * bt, priority=session.priority, capacity=capacity
+                )
                 if shared.kv is not None and shared.num_tokens > best.num_tokens:
                     # Content-addressed keys: the session's own blocks are the first shared ones,
                     # so the shared KV extends what the session holds.
                     extra = prompt_ids[session.num_tokens : shared.num_tokens]
                     store.append(session, extra, shared.kv[:, :, :, session.num_tokens : shared.num_tokens])
                     best = _Prefix(
-                        shared.kv, shared.num_tokens, _tier_names(shared.tokens_by_tier), reasons, diverged_at
+                        shared.kv,
+                        shared.num_tokens,
+                        _tier_names(shared.tokens_by_tier),
+                        reasons,
+                        diverged_at,
+                        shared,
                     )
         assert session.token_ids == prompt_ids[: best.num_tokens]
         return best
 
     def _find_pruned_prefix(
-        self, session: Session, prompt_ids: list[int], mode: MemoryMode
+        self, session: Session, prompt_ids: list[int], mode: MemoryMode, capacity: int = 0
     ) -> _Prefix | None:
         """With a memory mode, when the prompt continues the session and its history exceeds the
         mode's budget: load only the kept blocks (and the tail). None when the ordinary path
@@ -520,11 +537,15 @@ class Engine:
         if session.tail_key is not None:
             keys.append(session.tail_key)
         want = len(kept) * bt + session.num_tokens - full * bt
-        loaded = self.store.load_blocks(keys, want, full_blocks=len(kept), priority=session.priority)
+        loaded = self.store.load_blocks(
+            keys, want, full_blocks=len(kept), priority=session.priority, capacity=capacity
+        )
         if loaded.kv is None or loaded.num_tokens < want:
             return None
         session.last_access = time.time()
-        return _Prefix(loaded.kv, session.num_tokens, _tier_names(loaded.tokens_by_tier), kept_blocks=kept)
+        return _Prefix(
+            loaded.kv, session.num_tokens, _tier_names(loaded.tokens_by_tier), source=loaded, kept_blocks=kept
+        )
 
     def _truncate(self, session: Session, num_tokens: int, reasons: list[str]) -> None:
         try:

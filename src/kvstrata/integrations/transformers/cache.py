@@ -53,6 +53,15 @@ class KVStrataLayer(DynamicLayer):
         self.is_initialized = True
         self._set_length(n)
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Use ``keys`` / ``values`` of shape ``(batch, heads, capacity, head_dim)`` as the
+        buffers, holding ``length`` tokens already (no copy)."""
+        self._key_buffer = keys
+        self._value_buffer = values
+        self.device = keys.device
+        self.is_initialized = True
+        self._set_length(length)
+
     def _set_length(self, n: int) -> None:
         assert self._key_buffer is not None and self._value_buffer is not None
         self.length = n
@@ -179,6 +188,39 @@ class KVStrataCache(Cache):
         return cache
 
     @classmethod
+    def from_loaded(
+        cls,
+        loaded: LoadedKV,
+        num_tokens: int | None = None,
+        *,
+        devices: Sequence[torch.device | str | None],
+        extra_tokens: int = 0,
+    ) -> KVStrataCache:
+        """A cache of the first ``num_tokens`` (default: all) tokens of ``loaded``.
+
+        When the store's buffer has room for ``extra_tokens`` more and lies on every layer's
+        device, the layers adopt slices of it: the KV is not copied a second time. The tokens
+        after ``num_tokens`` in that buffer are then overwritten as the cache grows."""
+        n = loaded.num_tokens if num_tokens is None else num_tokens
+        buffer = loaded.buffer
+        if (
+            loaded.kv is None
+            or buffer is None
+            or n > loaded.num_tokens
+            or buffer.shape[3] < n + extra_tokens
+            or buffer.shape[1] != len(devices)
+            or any(d is not None and torch.device(d) != buffer.device for d in devices)
+        ):
+            kv = loaded.kv[:, :, :, :n] if loaded.kv is not None and n else None
+            return cls.from_kv(kv, len(devices), devices=devices, extra_tokens=extra_tokens)
+        cache = cls(devices)
+        for layer_idx, layer in enumerate(cache.layers):
+            assert isinstance(layer, KVStrataLayer)
+            layer.adopt(buffer[0, layer_idx].unsqueeze(0), buffer[1, layer_idx].unsqueeze(0), n)
+        cache.prefix_tokens = n
+        return cache
+
+    @classmethod
     def empty_for(cls, model: torch.nn.Module) -> KVStrataCache:
         return cls.from_kv(None, model=model)
 
@@ -227,12 +269,11 @@ def cache_for(
     ``cache.get_seq_length()`` (and ``cache.loaded.missing_from_token``) say how many, and the
     caller prefills from there.
     """
-    loaded = store.load(session, num_tokens)
-    if loaded.kv is None and devices is None and model is None:
-        devices = [None] * store.layout.num_layers
-    cache = KVStrataCache.from_kv(
-        loaded.kv, store.layout.num_layers, devices=devices, model=model, extra_tokens=extra_tokens
-    )
+    want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
+    loaded = store.load(session, want, capacity=want + extra_tokens)
+    if devices is None:
+        devices = layer_devices(model) if model is not None else [None] * store.layout.num_layers
+    cache = KVStrataCache.from_loaded(loaded, devices=devices, extra_tokens=extra_tokens)
     cache.loaded = loaded
     return cache
 
