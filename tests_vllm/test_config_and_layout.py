@@ -1,0 +1,172 @@
+"""The connector's configuration and page-format code, without an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.vllm.config import ConnectorConfig, parse_ladder, parse_size
+from kvstrata.integrations.vllm.layout import PageFormat
+from kvstrata.policy.ladder import CodecLadder, Rung
+from kvstrata.sessions import Priority
+
+
+def test_sizes() -> None:
+    assert parse_size(4096, "x") == 4096
+    assert parse_size("512MiB", "x") == 512 << 20
+    assert parse_size("2G", "x") == 2 << 30
+    assert parse_size("1.5KiB", "x") == 1536
+    assert parse_size("10MB", "x") == 10_000_000
+    for bad in ("lots", "12 parsecs", True, -1.5):
+        with pytest.raises(ConfigError):
+            parse_size(bad, "x")
+
+
+def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "store_dir": str(tmp_path / "s"),
+            "l1_budget_bytes": "64MiB",
+            "l2_budget_bytes": 1 << 30,
+            "l3_budget_bytes": "10GiB",
+            "write_policy": "write-back",
+            "priority": "interactive",
+            "namespace": "team-a",
+            "remote_url": "redis://127.0.0.1:6379",
+            "remote_ttl_s": 3600,
+            "ladder": {"interactive": {"l2": "identity", "l3": "int8"}, "background": "kivi2"},
+            "model_fingerprint": "ab" * 16,
+            "save_decode_blocks": False,
+        }
+    )
+    assert cfg.store_dir == tmp_path / "s"
+    assert cfg.store.l1_budget_bytes == 64 << 20
+    assert cfg.store.l3_budget_bytes == 10 << 30
+    assert cfg.store.write_policy.value == "write-back"
+    assert cfg.priority is Priority.INTERACTIVE
+    assert cfg.namespace == "team-a"
+    assert cfg.store.remote is not None and cfg.store.remote.ttl_s == 3600
+    assert cfg.store.ladder.interactive == Rung("identity", "int8")
+    assert cfg.store.ladder.background == Rung("kivi2", "kivi2")
+    assert cfg.model_fingerprint == bytes.fromhex("ab" * 16)
+    assert cfg.save_decode_blocks is False
+
+
+def test_defaults_are_exact_and_local(tmp_path: Path) -> None:
+    cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
+    assert cfg.priority is Priority.REALTIME  # exact KV everywhere: a hit gives a recompute's tokens
+    assert cfg.store.remote is None
+    assert parse_ladder("exact") == CodecLadder.exact()
+
+
+def test_unknown_or_bad_settings_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown kvstrata connector settings: store_path"):
+        ConnectorConfig.from_extra_config({"store_path": str(tmp_path)})
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra_config({"priority": "urgent"})
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra_config({"remote_url": "http://example"})
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra_config({"ladder": {"realtime": "no-such-codec"}})
+
+
+class _CpuStyleImpl:
+    """Writes K and V the way vLLM 0.32's CPU backend does (as the probe found it): per head, K
+    transposed (``[D, N]``: channel-major), then V (``[N, D]``)."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        blocks, heads, tokens, content = kv_cache.shape
+        dim = content // 2
+        flat = kv_cache.view(blocks, heads, 2, tokens * dim)
+        for i, slot in enumerate(slot_mapping.tolist()):
+            b, t = divmod(slot, tokens)
+            flat[b, :, 0].view(heads, dim, tokens)[:, :, t] = key[i]
+            flat[b, :, 1].view(heads, tokens, dim)[:, t] = value[i]
+
+
+class _Layer:
+    impl = _CpuStyleImpl()
+
+
+def test_probe_learns_the_backend_page_format() -> None:
+    heads, tokens, dim = 2, 16, 8
+    cache = torch.zeros(4, heads, tokens, 2 * dim, dtype=torch.bfloat16)
+    fmt = PageFormat.probe(_Layer(), cache, dim, tokens)
+    assert fmt is not None and fmt.source == "probed"
+    blocks = torch.randn(3, 2, heads, tokens, dim).to(torch.bfloat16)
+    pages = fmt.blocks_to_pages(blocks, torch.zeros(3, heads, tokens, 2 * dim, dtype=torch.bfloat16))
+    # where the backend keeps K (transposed) and V
+    halves = pages.view(3, heads, 2, tokens * dim)
+    assert torch.equal(halves[:, :, 0].view(3, heads, dim, tokens).transpose(2, 3), blocks[:, 0])
+    assert torch.equal(halves[:, :, 1].view(3, heads, tokens, dim), blocks[:, 1])
+    assert torch.equal(fmt.pages_to_blocks(pages), blocks)
+    # the dense format would have read these pages wrongly
+    assert not torch.equal(PageFormat.dense((heads, tokens, 2 * dim), dim).pages_to_blocks(pages), blocks)
+
+
+def test_dense_format_round_trip() -> None:
+    fmt = PageFormat.dense((2, 4, 6), 3)
+    pages = torch.randn(5, 2, 4, 6)
+    blocks = fmt.pages_to_blocks(pages)
+    assert torch.equal(blocks[:, 0], pages[..., :3]) and torch.equal(blocks[:, 1], pages[..., 3:])
+    assert torch.equal(fmt.blocks_to_pages(blocks, torch.empty_like(pages)), pages)
+
+
+def test_probe_without_a_backend_call_gives_none() -> None:
+    assert PageFormat.probe(object(), torch.zeros(1, 2, 4, 6), 3, 4) is None
+
+
+def test_in_place_page_writes_and_reads_match_the_general_path() -> None:
+    heads, tokens, dim = 2, 16, 8
+    cache = torch.zeros(4, heads, tokens, 2 * dim)
+    fmt = PageFormat.probe(_Layer(), cache, dim, tokens)
+    assert fmt is not None
+    blocks = torch.randn(2, 2, heads, tokens, dim)
+    assert fmt.write_page(cache[1], blocks[0]) and fmt.write_page(cache[3], blocks[1])
+    expected = fmt.blocks_to_pages(blocks, torch.zeros(2, heads, tokens, 2 * dim))
+    assert torch.equal(cache[[1, 3]], expected)
+    out = torch.empty(2, 2, 3, heads, tokens, dim)  # (n, 2, L, H, N, D): fill layer 1
+    fmt.read_pages_into(cache[[1, 3]], out[:, :, 1])
+    assert torch.equal(out[:, :, 1], blocks)
+
+
+class _Request:
+    def __init__(self, req_id: str, tokens: list[int], **attrs: object) -> None:
+        self.request_id = req_id
+        self.all_token_ids = tokens
+        self.num_prompt_tokens = len(tokens)
+        self.cache_salt = None
+        self.kv_transfer_params = None
+        self.mm_features = None
+        self.prompt_embeds = None
+        self.lora_request = None
+        self.__dict__.update(attrs)
+
+
+def test_scheduler_side_keys_namespaces_priorities_and_skips(tmp_path: Path) -> None:
+    from kvstrata.block import KVBlock
+    from kvstrata.integrations.vllm.scheduler import SchedulerSide
+    from kvstrata.layout import KVLayout
+    from kvstrata.store import KVStore
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
+    cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
+    tokens = list(range(3, 15))  # 12 tokens: 3 full blocks
+    with KVStore(tmp_path, layout, model_fingerprint=b"w", config=cfg.store) as store:
+        for i, key in enumerate(store.block_key_chain("default", tokens)):
+            store.blocks.put(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
+        side = SchedulerSide(cfg, store)
+        # every full block but the one holding the last token
+        assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (8, False)
+        # vLLM already holds the first block locally: only the second is read
+        assert side.get_num_new_matched_tokens(_Request("b", tokens), 4) == (4, False)
+        # another namespace (cache_salt), a LoRA adapter, an image: no hit
+        assert side.get_num_new_matched_tokens(_Request("c", tokens, cache_salt="t1"), 0) == (0, False)
+        assert side.get_num_new_matched_tokens(_Request("d", tokens, lora_request=object()), 0) == (0, False)
+        assert side.get_num_new_matched_tokens(_Request("e", tokens, mm_features=[object()]), 0) == (0, False)
+        req = _Request("f", tokens, kv_transfer_params={"kvstrata_priority": "background"})
+        assert side.state(req).priority is Priority.BACKGROUND
+        assert side.state(_Request("g", tokens)).priority is Priority.REALTIME
