@@ -76,6 +76,25 @@ def test_blocks_leaving_the_recent_window_are_reencoded_in_l3(
     assert stats["L3"].compression_ratio > (1.5 if codec != "identity" else 0.9)
 
 
+def test_a_deleted_sessions_recent_blocks_go_down_the_ladder(open_store: Factory) -> None:
+    """A stateless request's session is deleted right after it: its recent window must not keep
+    the blocks exact for good; a block another live session still holds as recent stays exact."""
+    store = open_store(layout=LAYOUT16, ladder=LADDER, l1_budget_bytes=0, l2_budget_bytes=0)
+    tokens = _tokens(16 * 3)
+    exact = token_kv(LAYOUT16, tokens)
+    first, second = store.create_session("first"), store.create_session("second")
+    store.append(first, tokens, exact)
+    store.append(second, tokens, exact)  # the same blocks: block 2 is both sessions' recent one
+    store.flush()
+    assert _l3_codecs(store, first.block_keys) == ["int8", "int8", "identity"]
+    store.delete_session("first")
+    store.flush()
+    assert _l3_codecs(store, first.block_keys) == ["int8", "int8", "identity"]  # second's window
+    store.delete_session("second")
+    store.flush()
+    assert _l3_codecs(store, first.block_keys) == ["int8", "int8", "int8"]
+
+
 def test_l2_holds_blocks_in_the_ladder_codec(open_store: Factory) -> None:
     store = open_store(
         layout=LAYOUT16, ladder=LADDER, l1_budget_bytes=LAYOUT16.bytes_per_block, l2_budget_bytes=1 << 20

@@ -250,7 +250,13 @@ class KVStore:
 
     def delete_session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         self._writable()
-        self._sessions.pop((namespace, session_id), None)
+        session = self._sessions.pop((namespace, session_id), None)
+        window = self.config.ladder.recent_blocks
+        if session is not None and window:
+            # its recent blocks would otherwise stay exact (and demoted last) for good: a deleted
+            # session never appends again to push them out of its window
+            live = {k for s in self._sessions.values() for k in s.block_keys[-window:]}
+            self.blocks.age_out(k for k in session.block_keys[-window:] if k not in live)
         if self.blocks.l4 is not None:
             try:
                 self.blocks.l4.delete_manifest(namespace, session_id)
