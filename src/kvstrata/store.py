@@ -385,7 +385,12 @@ class KVStore:
 
     # -- reading KV ------------------------------------------------------------------------------
     def load(
-        self, session: Session, num_tokens: int | None = None, *, capacity: int | None = None
+        self,
+        session: Session,
+        num_tokens: int | None = None,
+        *,
+        capacity: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> LoadedKV:
         """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor.
 
@@ -401,6 +406,7 @@ class KVStore:
             full_blocks=len(session.block_keys),
             priority=session.priority,
             capacity=capacity,
+            out=out,
         )
 
     def load_blocks(
@@ -411,13 +417,16 @@ class KVStore:
         full_blocks: int | None = None,
         priority: Priority | str | None = None,
         capacity: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
         tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks.
         With ``priority``, blocks stored lossier than that class accepts count as missing.
 
         Each block is copied once, straight into one preallocated tensor of ``capacity`` tokens
-        (at least ``num_tokens``): ``LoadedKV.buffer``, which ``KVStrataCache`` adopts as is."""
+        (at least ``num_tokens``): ``LoadedKV.buffer``, which ``KVStrataCache`` adopts as is.
+        ``out``: a buffer to reuse for it (a finished request's, already paged in: writing into
+        fresh memory costs page faults), used when its shape, dtype and room fit."""
         prio = Priority.parse(priority) if priority is not None else None
         max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
         bt = self.layout.block_tokens
@@ -440,7 +449,17 @@ class KVStore:
                 take = min(tensor.shape[3], want - got)
                 if buffer is None:
                     shape = self.layout.block_shape(max(want, capacity or 0))
-                    buffer = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+                    if (
+                        out is not None
+                        and out.shape[:3] == shape[:3]
+                        and out.shape[4] == shape[4]
+                        and out.shape[3] >= shape[3]
+                        and out.dtype == tensor.dtype
+                        and out.device == tensor.device
+                    ):
+                        buffer = out
+                    else:
+                        buffer = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
                 # copies out of the pool while the blocks are held
                 buffer[:, :, :, got : got + take].copy_(tensor[:, :, :, :take])
                 by_tier[level] = by_tier.get(level, 0) + take

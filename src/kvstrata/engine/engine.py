@@ -173,6 +173,9 @@ class Engine:
 
             self._tracker = ImportanceTracker(store.layout.block_tokens)
         self._lock = threading.Lock()
+        # Restore buffers of finished requests, already paged in: a restore into fresh memory
+        # spends most of its time in page faults (docs/benchmarks.md). At most two are kept.
+        self._spare_buffers: list[torch.Tensor] = []
 
     # -- public API ------------------------------------------------------------------------------
     def chat(
@@ -281,8 +284,11 @@ class Engine:
             mode = self.memory_modes.get(session.priority)
             with torch.inference_mode():
                 capacity = len(prompt_ids) + request.max_new_tokens
-                pruned = self._find_pruned_prefix(session, prompt_ids, mode, capacity) if mode else None
-                prefix = pruned or self._find_prefix(session, prompt_ids, capacity)
+                spare = self._take_spare(capacity)
+                pruned = (
+                    self._find_pruned_prefix(session, prompt_ids, mode, capacity, spare) if mode else None
+                )
+                prefix = pruned or self._find_prefix(session, prompt_ids, capacity, spare)
         else:
             prefix = _Prefix(None, 0, _tier_names({}))
         start = prefix.num_tokens
@@ -350,6 +356,7 @@ class Engine:
                 self.store.checkpoint(session)
             self._keep_resident(session)
             self._record_importance(session, prefix.kept_blocks)
+            self._recycle(prefix, cache)
             if prefix.kept_blocks is not None:  # blocks the session no longer attends to
                 kept = set(prefix.kept_blocks)
                 self.store.blocks.demote_from_l1(
@@ -464,7 +471,32 @@ class Engine:
         self.store.blocks.add_importance(zip(keys, mass.tolist(), strict=True))
 
     # -- prefix reuse ----------------------------------------------------------------------------
-    def _find_prefix(self, session: Session, prompt_ids: list[int], capacity: int = 0) -> _Prefix:
+    def _take_spare(self, tokens: int) -> torch.Tensor | None:
+        """The smallest spare restore buffer with room for ``tokens`` (taken out of the pool)."""
+        fits = [b for b in self._spare_buffers if b.shape[3] >= tokens]
+        if not fits:
+            return None
+        best = min(fits, key=lambda b: b.shape[3])
+        self._spare_buffers = [b for b in self._spare_buffers if b is not best]
+        return best
+
+    def _recycle(self, prefix: _Prefix, cache: KVStrataCache) -> None:
+        """Keep the request's restore buffer for a later request, once nothing else uses it (the
+        store copied what it keeps; the cache is dropped after this)."""
+        buffer = prefix.source.buffer if prefix.source is not None else None
+        layer = cache.layers[0] if cache.layers else None
+        own = getattr(layer, "_key_buffer", None)
+        if (
+            buffer is None
+            or own is None
+            or own.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        ):
+            return  # the cache copied the KV, or outgrew the buffer: nothing to keep
+        self._spare_buffers = sorted([*self._spare_buffers, buffer], key=lambda b: b.shape[3])[-2:]
+
+    def _find_prefix(
+        self, session: Session, prompt_ids: list[int], capacity: int = 0, spare: torch.Tensor | None = None
+    ) -> _Prefix:
         """Load the longest cached prefix of ``prompt_ids`` (leaving at least one token), and make
         the session's tokens exactly that prefix."""
         store = self.store
@@ -475,7 +507,7 @@ class Engine:
         diverged_at = common if common < session.num_tokens else None
         # Load before truncating, so that the tiers reported are where the KV was found (the
         # truncation reads a kept partial block again, from memory by then).
-        own = store.load(session, own_tokens, capacity=capacity) if own_tokens else _empty_load()
+        own = store.load(session, own_tokens, capacity=capacity, out=spare) if own_tokens else _empty_load()
         if own.missing_from_token is not None:
             reasons.append(
                 f"a block at token {own.missing_from_token} was lost or corrupt; recomputed from there"
@@ -493,8 +525,13 @@ class Engine:
         if usable // bt * bt > best.num_tokens and not session.pruned:
             shared_keys = store.match_prefix(session.namespace, prompt_ids[:usable])
             if len(shared_keys) * bt > best.num_tokens:
+                # (the spare buffer, if any, may hold the session's own KV by now)
                 shared = store.load_blocks(
-                    shared_keys, len(shared_keys) * bt, priority=session.priority, capacity=capacity
+                    shared_keys,
+                    len(shared_keys) * bt,
+                    priority=session.priority,
+                    capacity=capacity,
+                    out=spare if own.buffer is not spare else None,
                 )
                 if shared.kv is not None and shared.num_tokens > best.num_tokens:
                     # Content-addressed keys: the session's own blocks are the first shared ones,
@@ -513,7 +550,12 @@ class Engine:
         return best
 
     def _find_pruned_prefix(
-        self, session: Session, prompt_ids: list[int], mode: MemoryMode, capacity: int = 0
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        mode: MemoryMode,
+        capacity: int = 0,
+        spare: torch.Tensor | None = None,
     ) -> _Prefix | None:
         """With a memory mode, when the prompt continues the session and its history exceeds the
         mode's budget: load only the kept blocks (and the tail). None when the ordinary path
@@ -538,7 +580,7 @@ class Engine:
             keys.append(session.tail_key)
         want = len(kept) * bt + session.num_tokens - full * bt
         loaded = self.store.load_blocks(
-            keys, want, full_blocks=len(kept), priority=session.priority, capacity=capacity
+            keys, want, full_blocks=len(kept), priority=session.priority, capacity=capacity, out=spare
         )
         if loaded.kv is None or loaded.num_tokens < want:
             return None
