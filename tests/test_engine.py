@@ -356,6 +356,18 @@ def test_sessions_beyond_the_l1_residency_limit_are_demoted(tiny: LoadedModel, o
     assert again.cached_by_tier["L2"] >= len(a_keys) * BLOCK_TOKENS
 
 
+def test_background_sessions_leave_l1_before_interactive_ones(tiny: LoadedModel, open_store: Opener) -> None:
+    store = open_store(l1_budget_bytes=64 << 20, l2_budget_bytes=64 << 20)
+    engine = Engine(tiny, store, l1_resident_sessions=1)
+    engine.chat("a", [{"role": "user", "content": "Alpha " * 40}], max_new_tokens=4)
+    engine.chat("b", [{"role": "user", "content": "Bravo " * 40}], max_new_tokens=4, priority="background")
+    store.blocks.wait_demotions()
+    # b was served last, but it is background: it leaves L1, the interactive a stays
+    assert all(store.blocks.l1.contains(k) for k in store.session("a").block_keys)
+    b_keys = store.session("b").block_keys
+    assert b_keys and not any(store.blocks.l1.contains(k) for k in b_keys)
+
+
 def test_hinted_session_is_prefetched_into_l1(tiny: LoadedModel, open_store: Opener) -> None:
     store = open_store("hint")
     engine = Engine(tiny, store)

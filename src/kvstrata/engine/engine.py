@@ -36,6 +36,7 @@ from kvstrata.store import DEFAULT_NAMESPACE, KVStore, LoadedKV
 from kvstrata.tiers.base import TierLevel
 
 Message = dict[str, str]
+_RESIDENCY_RANK = {Priority.BACKGROUND: 0, Priority.INTERACTIVE: 1, Priority.REALTIME: 2}
 StreamCallback = Callable[[str], None]
 
 
@@ -398,7 +399,12 @@ class Engine:
         self._resident[key] = session
         evicted = []
         while len(self._resident) > self.l1_resident_sessions:
-            evicted.append(self._resident.popitem(last=False)[1])
+            # the least recently served session of the lowest class leaves first: a burst of
+            # background agents does not push the interactive and realtime ones out of L1
+            victim = min(
+                self._resident, key=lambda k: _RESIDENCY_RANK[self._resident[k].priority]
+            )  # min() keeps the first (least recently served) of equal rank
+            evicted.append(self._resident.pop(victim))
         if evicted:
             keep = {k for s in self._resident.values() for k in s.all_keys()}
             self.store.blocks.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
