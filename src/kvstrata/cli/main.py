@@ -7,6 +7,7 @@ import logging
 import typer
 
 from kvstrata.cli.agent_demo_cmd import demo
+from kvstrata.cli.bench_cmd import bench_app
 from kvstrata.cli.chat_cmd import chat
 from kvstrata.cli.demo_cmd import store_demo
 from kvstrata.cli.eval_cmd import eval_app
@@ -29,6 +30,7 @@ store_app.command("demo")(store_demo)
 app.add_typer(store_app, name="store")
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(eval_app, name="eval")
+app.add_typer(bench_app, name="bench")
 
 
 @app.callback()

@@ -1,0 +1,120 @@
+"""``kvstrata bench agents`` on the tiny random Llama: the schedule, the fixed-buffer baseline's
+admission, and a whole (tiny) run through the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata.bench._agents_common import load_bench_model, progress_bar
+from kvstrata.bench.agents import (
+    BACKGROUND,
+    HOT,
+    AgentsParams,
+    run_baseline,
+    schedule,
+    slots,
+    system_message,
+    user_message,
+)
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.transformers.model import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_bench_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+def test_schedule_rates_and_mix() -> None:
+    events = schedule(6, 20.0)
+    hot = [e for e in events if e.cls == HOT]
+    background = [e for e in events if e.cls == BACKGROUND]
+    assert {e.agent for e in hot} == {0, 2, 4} and {e.agent for e in background} == {1, 3, 5}
+    assert len(hot) == 3 * 20  # one request per second per hot agent
+    assert len(background) == 3 * 2  # one per ten seconds per background agent
+    assert [e.turn for e in hot if e.agent == 2] == list(range(1, 21))
+    assert all(a.time_s <= b.time_s for a, b in itertools.pairwise(events))
+    for slot in slots(events):  # one request per agent per simulated second
+        assert len({e.agent for e in slot}) == len(slot)
+
+
+def test_baseline_refuses_agents_beyond_its_budget(tiny: LoadedModel) -> None:
+    params = AgentsParams(
+        budget_buffers=2, buffer_tokens=600, duration_s=10.0, system_chars=100, max_new_tokens=2, model="tiny"
+    )
+    with progress_bar(False) as progress:
+        stats = run_baseline(tiny, params, 5, progress)
+    assert stats.served == 2 and stats.refused_agents == 3
+    assert {t.agent for t in stats.turns} == {"agent-0", "agent-1"}
+    buffer = 600 * tiny.layout().bytes_per_token
+    assert stats.peak_bytes["reserved"] == 2 * buffer == stats.budget_bytes
+    assert 0 < stats.peak_bytes["KV in use"] <= stats.peak_bytes["reserved"]
+    # the second turn of agent 0 reuses its own KV: only the new tokens are prefilled
+    second = next(t for t in stats.turns if t.agent == "agent-0" and t.turn == 2)
+    assert second.cached_tokens > 100 and second.prefill_tokens < second.prompt_tokens
+
+
+def test_baseline_refuses_a_conversation_that_outgrows_its_buffer(tiny: LoadedModel) -> None:
+    first = [system_message(100), {"role": "user", "content": user_message(0, 1)}]
+    encoded = tiny.tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
+    first_tokens = len(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    buffer = first_tokens + 40  # the first turn fits, the conversation soon outgrows it
+    params = AgentsParams(
+        budget_buffers=2,
+        buffer_tokens=buffer,
+        duration_s=10.0,
+        system_chars=100,
+        max_new_tokens=2,
+        model="tiny",
+    )
+    with progress_bar(False) as progress:
+        stats = run_baseline(tiny, params, 1, progress)
+    assert stats.refused_requests > 0 and stats.turns  # early turns fit, later ones do not
+    assert all(t.prompt_tokens + 2 <= buffer for t in stats.turns)
+
+
+def test_bad_parameters() -> None:
+    with pytest.raises(ConfigError, match="l1-share"):
+        AgentsParams(l1_share=1.0)
+    with pytest.raises(ConfigError, match="budget-buffers"):
+        AgentsParams(budget_buffers=1)
+    with pytest.raises(ConfigError, match="duration"):
+        AgentsParams(duration_s=5.0)
+    with pytest.raises(ConfigError, match="agent counts"):
+        AgentsParams(agents=(0,))
+
+
+def test_cli_run_json_and_plot(tiny: LoadedModel, tmp_path: Path) -> None:
+    from kvstrata.cli.main import app
+
+    png = tmp_path / "agents.png"
+    args = ["bench", "agents", "--model", "tiny", "--agents", "2,4", "--baseline-agents", "6"]
+    args += ["--duration", "10", "--budget-buffers", "2", "--buffer-tokens", "600", "--system-chars", "100"]
+    args += ["--max-new-tokens", "2", "--json", "--plot", str(png)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)["data"]
+    assert data["baseline_served"] == 2 and data["baseline"]["refused_agents"] == 4
+    assert [run["agents"] for run in data["kvstrata"]] == [2, 4]
+    for run in data["kvstrata"]:
+        assert run["served"] == run["agents"] and run["refused_agents"] == 0
+        # memory tiers stay in the budget less one working buffer
+        assert run["peak_bytes"]["L1"] + run["peak_bytes"]["L2"] <= data["kvstrata_tier_budget_bytes"]
+        # after the warm-up, every request reuses the shared system prompt
+        assert all(t["cached_tokens"] > 0 for t in data["turns"][f"kvstrata-{run['agents']}"])
+    assert data["unloaded"]["agents"] == 1 and data["unloaded_hot_p99_ms"] > 0
+    assert isinstance(data["target_met"], bool)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_counts() -> None:
+    from kvstrata.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "agents", "--agents", "4,x"])
+    assert result.exit_code == 2
+    assert "agent counts" in result.output

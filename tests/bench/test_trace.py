@@ -1,0 +1,129 @@
+"""``kvstrata bench trace``: the trace mapping, the ideal hit ratio, and a replay on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata.bench._agents_common import load_bench_model
+from kvstrata.bench.mooncake import TokenMap, TraceRequest, ideal_hits, load_trace, select
+from kvstrata.bench.trace import KVSTRATA, PLAIN_LRU, TraceParams, run, token_map_for
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.transformers.model import LoadedModel
+
+BT = 4
+
+# Two conversations that share block 0 (a system prompt); conversation A grows over three turns.
+TRACE = [
+    TraceRequest(0, 1200, 10, (0, 1, 2)),
+    TraceRequest(100, 1300, 10, (0, 3)),
+    TraceRequest(200, 2000, 10, (0, 1, 2, 4)),
+    TraceRequest(300, 2500, 10, (0, 1, 2, 4, 5)),
+    TraceRequest(400, 1000, 10, (0, 3)),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_bench_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+def write_trace(path: Path, requests: list[TraceRequest]) -> Path:
+    lines = [
+        json.dumps(
+            {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        for r in requests
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_shared_hash_ids_give_identical_token_blocks() -> None:
+    tokens = TokenMap(block_tokens=8, low=3, high=259, seed=0)
+    assert tokens.block(7) == tokens.block(7) == TokenMap(8, 3, 259, 0).block(7)
+    assert tokens.block(7) != tokens.block(8)
+    assert all(3 <= t < 259 for t in tokens.block(7)) and len(tokens.block(7)) == 8
+    a, b = tokens.prompt(TRACE[0]), tokens.prompt(TRACE[2])
+    assert len(a) == 3 * 8 + 1 and len(b) == 4 * 8 + 1
+    assert a[:24] == b[:24]  # ids 0,1,2 shared: the first three blocks are the same tokens
+    assert a[:8] == tokens.prompt(TRACE[1])[:8] and a[8:16] != tokens.prompt(TRACE[1])[8:16]
+    assert TokenMap(8, 3, 259, seed=1).block(7) != tokens.block(7)
+
+
+def test_ideal_hit_ratio_on_a_constructed_trace() -> None:
+    # request 1: 0,1,2 all new; 2: 0 hit, 3 new; 3: 0,1,2 hit, 4 new; 4: 0,1,2,4 hit, 5 new; 5: 0,3 hit
+    assert ideal_hits(TRACE) == (1 + 3 + 4 + 2, 3 + 2 + 4 + 5 + 2, 6)
+
+
+def test_load_and_select(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", TRACE)
+    assert load_trace(path) == TRACE
+    assert load_trace(path, limit=2) == TRACE[:2]
+    # every 3rd conversation by its second block id: id 1 (A) is dropped, id 3 (B) kept, both turns
+    kept = select(TRACE, sample_every=3)
+    assert [r.hash_ids for r in kept] == [(0, 3), (0, 3)]
+    assert [r.hash_ids for r in select(TRACE, max_blocks=2)][2] == (0, 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ConfigError, match="not a Mooncake trace line"):
+        load_trace(bad)
+    with pytest.raises(ConfigError, match="no trace file"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_unbounded_replay_hits_equal_the_ideal(tiny: LoadedModel, tmp_path: Path) -> None:
+    params = TraceParams(block_tokens=BT, memory_fraction=20.0, time_scale=1000.0, model="tiny")
+    result = run(params, model=tiny, requests=TRACE, work=tmp_path, show_progress=False)
+    hits, total, _ = ideal_hits(TRACE)
+    assert result.data["slice"]["ideal_hit_blocks"] == hits
+    for summary in result.data["policies"]:
+        assert summary["blocks"] == total
+        assert summary["hit_blocks"] == hits, summary["policy"]
+        # everything fits in memory: no hit comes from disk
+        assert summary["hits_by_tier"]["L3"] == 0
+        assert summary["prefill_tokens_saved"] == hits * BT
+    per_request = [r["hit_blocks"] for r in result.data["requests"][KVSTRATA]]
+    assert per_request == [0, 1, 3, 4, 2]
+    assert [r["hit_blocks"] for r in result.data["requests"][PLAIN_LRU]] == per_request
+
+
+def test_token_map_avoids_special_tokens(tiny: LoadedModel) -> None:
+    tokens = token_map_for(tiny, BT, 0)
+    assert tokens.low > max(tiny.tokenizer.all_special_ids)
+    assert tokens.high <= tiny.model.config.vocab_size
+
+
+def test_cli_json_and_plot(tiny: LoadedModel, tmp_path: Path) -> None:
+    from kvstrata.cli.main import app
+
+    trace = write_trace(tmp_path / "t.jsonl", TRACE * 2)
+    png = tmp_path / "trace.png"
+    args = ["bench", "trace", "--model", "tiny", "--trace", str(trace), "--block-tokens", str(BT)]
+    args += ["--sample-every", "1", "--memory-fraction", "0.3", "--time-scale", "1000"]
+    args += ["--json", "--plot", str(png)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["suite"] == "trace"
+    assert [p["policy"] for p in data["data"]["policies"]] == [KVSTRATA, PLAIN_LRU]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_input(tmp_path: Path) -> None:
+    from kvstrata.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "trace", "--trace", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2
+    assert "no trace file" in result.output
+    result = CliRunner().invoke(app, ["bench", "trace", "--memory-fraction", "0"])
+    assert result.exit_code == 2
+    assert "must be positive" in result.output
