@@ -641,7 +641,10 @@ class Engine:
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     if temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # shifted so the largest logit is 0: a tiny temperature then gives -inf for the others (and 0
+    # for the best), never inf/inf = nan
+    scaled = (logits.double() - logits.max().double()) / temperature
+    probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
