@@ -46,7 +46,6 @@ def open_store(tmp_path: Path) -> Iterator[Callable[..., KVStore]]:
     opened: list[KVStore] = []
 
     def factory(root: Path | None = None, layout: KVLayout | None = LAYOUT, **config: object) -> KVStore:
-        config.setdefault("ladder", CodecLadder.exact())  # tests of exactness; ladder tests set their own
         config.setdefault("ladder", CodecLadder.exact())  # exactness tests; ladder tests set their own
         store = KVStore(
             root or tmp_path / "store", layout, model_fingerprint=b"test-model", config=StoreConfig(**config)

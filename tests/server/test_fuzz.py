@@ -120,6 +120,19 @@ def test_generation_bodies_never_get_a_server_error(app: FastAPI, path: str) -> 
     assert client.get("/healthz").status_code == 200
 
 
+def test_a_non_ascii_session_id_is_echoed_percent_encoded(app: FastAPI) -> None:
+    """Found by the fuzz test above: echoing such an id as a header value was a 500."""
+    client = TestClient(app)
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1, "metadata": {"session_id": "Āgent é"}}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-session-id"] == "%C4%80gent%20%C3%A9"
+    raw = client.post("/v1/completions", json=body | {"metadata": {}}, headers=[("X-Session-Id", b"a\x80b")])
+    assert raw.status_code == 200, raw.text
+    echoed = raw.headers["x-session-id"]  # the raw byte is read as latin-1, echoed percent-encoded
+    assert echoed.startswith("a%") and echoed.endswith("b") and echoed.isascii()
+
+
 def given_body(path: str):  # type: ignore[no-untyped-def]
     return given(_chat if path == "/v1/chat/completions" else _completion, _headers)
 

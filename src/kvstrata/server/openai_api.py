@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -166,7 +167,14 @@ def _extension(job: _Job, response: Response) -> dict[str, Any]:
 
 
 def _headers(job: _Job) -> dict[str, str]:
-    return {} if job.stateless else {"X-Session-Id": job.session_id}
+    """The session id, echoed; one that is not printable ASCII (from ``metadata.session_id``, or
+    a header's raw bytes) is percent-encoded as UTF-8, since header values are bytes."""
+    if job.stateless:
+        return {}
+    session_id = job.session_id
+    if not all(" " <= c <= "~" for c in session_id):
+        session_id = quote(session_id, safe="")
+    return {"X-Session-Id": session_id}
 
 
 def _usage(response: Response) -> dict[str, Any]:
