@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata import KVStore, StoreConfig
+from kvstrata import ConfigError, KVStore, StoreConfig
 from kvstrata.engine import Engine, GenerationRequest, QueueFullError, Response, Scheduler
 from kvstrata.engine.engine import _common_prefix, _pick
 from kvstrata.integrations.transformers.cache import cache_for
@@ -419,3 +419,15 @@ def test_sampling_at_a_tiny_temperature_is_greedy_not_nan() -> None:
     for temperature in (3.9e-106, 1e-300, 5e-324):
         assert _pick(logits, temperature, torch.Generator().manual_seed(0)) == 0
     assert _pick(logits, 1.0, torch.Generator().manual_seed(0)) in (0, 1, 2)
+
+
+def test_requests_can_give_token_ids(tiny: LoadedModel, open_store: Opener) -> None:
+    engine = Engine(tiny, open_store())
+    ids = engine.prompt_token_ids(GenerationRequest("x", prompt="Hello there, river"))
+    by_text = engine.complete("t", "Hello there, river", max_new_tokens=4, use_cache=False)
+    by_ids = engine.run(GenerationRequest("i", prompt_ids=ids, max_new_tokens=4))
+    assert by_ids.token_ids == by_text.token_ids and by_ids.prompt_tokens == len(ids)
+    with pytest.raises(ConfigError, match="exactly one"):
+        GenerationRequest("x", prompt="a", prompt_ids=[1])
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.run(GenerationRequest("x", prompt_ids=[1, 10**6]))

@@ -162,20 +162,6 @@ def token_map_for(model: LoadedModel, block_tokens: int, seed: int) -> TokenMap:
     return TokenMap(block_tokens, low, high, seed)
 
 
-def _engine_class() -> type:
-    from kvstrata.engine import Engine
-
-    class TokenEngine(Engine):  # type: ignore[misc, valid-type]
-        """The engine, fed token ids: a request's ``prompt`` names a prepared id list."""
-
-        prompts: dict[str, list[int]]
-
-        def prompt_token_ids(self, request: Any) -> list[int]:
-            return self.prompts[request.prompt]
-
-    return TokenEngine
-
-
 def replay(
     model: LoadedModel,
     layout: KVLayout,
@@ -191,6 +177,7 @@ def replay(
 ) -> PolicyRun:
     """Replay ``requests`` through an engine on a fresh store at ``root`` under ``policy``."""
     from kvstrata import KVStore, StoreConfig
+    from kvstrata.engine import Engine
     from kvstrata.engine.engine import GenerationRequest
     from kvstrata.policy.ladder import CodecLadder
 
@@ -206,8 +193,7 @@ def replay(
     task = progress.add_task(policy, total=len(requests)) if progress is not None else None
     t0_ms = requests[0].timestamp_ms
     with KVStore(root, layout, model_fingerprint=model.fingerprint, config=config) as store:
-        engine = _engine_class()(model, store)
-        engine.prompts = {}
+        engine = Engine(model, store)
         started = time.perf_counter()
         try:
             for i, request in enumerate(requests):
@@ -216,12 +202,10 @@ def replay(
                 if due > now:
                     time.sleep(due - now)
                 lag = max(0.0, time.perf_counter() - started - due)
-                name = f"trace-{i}"
-                engine.prompts[name] = token_map.prompt(request)
-                reply = engine.run(GenerationRequest(f"req-{i}", prompt=name, max_new_tokens=1))
+                ids = token_map.prompt(request)
+                reply = engine.run(GenerationRequest(f"req-{i}", prompt_ids=ids, max_new_tokens=1))
                 store.delete_session(f"req-{i}")
                 engine.forget(f"req-{i}")
-                del engine.prompts[name]
                 by_tier = {t: reply.cached_by_tier.get(t, 0) // bt for t in TIERS}
                 out.append(
                     Replayed(

@@ -80,10 +80,15 @@ class GenerationRequest:
     priority: Priority | str = Priority.INTERACTIVE
     use_cache: bool = True
     seed: int | None = None
+    prompt_ids: Sequence[int] | None = None
+    """Token ids given directly (no template, no tokenizer), instead of messages or a prompt."""
 
     def __post_init__(self) -> None:
-        if (self.messages is None) == (self.prompt is None):
-            raise ConfigError("a request has exactly one of messages or prompt")
+        given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids))
+        if given != 1:
+            raise ConfigError("a request has exactly one of messages, prompt or prompt_ids")
+        if self.prompt_ids is not None:
+            object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be >= 1")
         if self.temperature < 0:
@@ -247,6 +252,14 @@ class Engine:
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self.model.tokenizer
+        if request.prompt_ids is not None:
+            vocab = self.model.model.get_input_embeddings().weight.shape[0]
+            bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError(f"prompt_ids holds ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
+            if not request.prompt_ids:
+                raise ConfigError("the prompt is empty")
+            return list(request.prompt_ids)
         if request.messages is not None:
             encoded = tokenizer.apply_chat_template(
                 list(request.messages), add_generation_prompt=True, tokenize=True
