@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench._agents_common import load_bench_model, progress_bar
+from kvstrata.bench._agents_common import load_bench_model
 from kvstrata.bench.agents import (
     BACKGROUND,
     HOT,
@@ -21,6 +21,7 @@ from kvstrata.bench.agents import (
     system_message,
     user_message,
 )
+from kvstrata.bench.options import progress_bar
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
 

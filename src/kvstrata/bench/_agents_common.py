@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from kvstrata.integrations.transformers.model import LoadedModel
     from kvstrata.store import KVStore
 
@@ -50,22 +48,6 @@ def workdir(path: Path | None, prefix: str) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield Path(tmp)
-
-
-def progress_bar(enabled: bool) -> Progress:
-    """A rich progress bar on stderr (disabled: a bar that draws nothing)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=False,
-    )
 
 
 def tier_bytes(store: KVStore) -> dict[str, int]:

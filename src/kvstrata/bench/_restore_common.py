@@ -15,9 +15,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,19 +24,6 @@ if TYPE_CHECKING:
 
 GB = 1e9
 _READ_CHUNK = 8 << 20
-
-
-def progress_bar(enabled: bool = True) -> Progress:
-    """A rich progress bar on stderr (stdout stays clean for ``--json``)."""
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=False,
-    )
 
 
 def parse_int_list(text: str, name: str, *, minimum: int = 1) -> list[int]:

@@ -46,11 +46,11 @@ from kvstrata.bench._agents_common import (
     forward_logits,
     load_bench_model,
     mib,
-    progress_bar,
     stop_ids,
     tier_bytes,
     workdir,
 )
+from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
 from kvstrata.bench.report import BenchResult, BenchTable, percentile
 from kvstrata.errors import ConfigError
 
@@ -633,10 +633,8 @@ def command(
     workdir_: Annotated[
         Path | None, typer.Option("--workdir", help="Keep the stores here (default: a removed temp dir).")
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the raw measurements as JSON.")] = False,
-    plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write the plot to this PNG (default: bench-agents.png).")
-    ] = None,
+    json_out: JsonOutOption = False,
+    plot: PlotOption = None,
 ) -> None:
     """Many agents in one memory budget: kvstrata against fixed per-agent buffers (simulated clock)."""
     from kvstrata.cli.bench_cmd import show

@@ -34,10 +34,10 @@ from kvstrata.bench._restore_common import (
     median,
     parse_int_list,
     prefill_kv,
-    progress_bar,
     prompt_token_ids,
     rotate,
 )
+from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
 from kvstrata.bench.report import BenchResult, BenchTable, percentile
 from kvstrata.errors import ConfigError
 
@@ -61,11 +61,6 @@ PromptsOption = Annotated[str, typer.Option("--prompts", help="Comma-separated p
 TokensOption = Annotated[int, typer.Option("--tokens", min=1, help="Tokens decoded per run.")]
 RepeatsOption = Annotated[int, typer.Option("--repeats", min=1, help="Runs per variant and prompt length.")]
 AttnOption = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
-PlotOption = Annotated[
-    Path | None,
-    typer.Option("--plot", help="Write the plot to this PNG (default: bench-decode-overhead.png)."),
-]
-JsonOutOption = Annotated[bool, typer.Option("--json", help="Print the raw measurements as JSON.")]
 
 
 def command(

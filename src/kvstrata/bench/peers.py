@@ -44,11 +44,11 @@ from kvstrata.bench._restore_common import (
     median,
     parse_int_list,
     prefill_kv,
-    progress_bar,
     prompt_token_ids,
     rotate,
     store_kv_bytes,
 )
+from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
 from kvstrata.bench.report import BenchResult, BenchTable
 from kvstrata.errors import ConfigError
 
@@ -84,10 +84,6 @@ RepeatsOption = Annotated[int, typer.Option("--repeats", min=1, help="Measuremen
 ThreadsOption = Annotated[
     int | None, typer.Option("--threads", min=1, help="llama.cpp threads (default: all CPUs, like torch).")
 ]
-PlotOption = Annotated[
-    Path | None, typer.Option("--plot", help="Write the plot to this PNG (default: bench-peers.png).")
-]
-JsonOutOption = Annotated[bool, typer.Option("--json", help="Print the raw measurements as JSON.")]
 
 
 def command(

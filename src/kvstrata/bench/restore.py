@@ -46,11 +46,11 @@ from kvstrata.bench._restore_common import (
     memcpy_s,
     parse_int_list,
     prefill_kv,
-    progress_bar,
     prompt_token_ids,
     rotate,
     write_baseline_file,
 )
+from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
 from kvstrata.bench.report import BenchResult, BenchTable
 from kvstrata.errors import ConfigError
 
@@ -102,10 +102,6 @@ WorkdirOption = Annotated[
     Path | None,
     typer.Option("--workdir", help="Where the stores and the baseline file go (default: a temp dir)."),
 ]
-PlotOption = Annotated[
-    Path | None, typer.Option("--plot", help="Write the plot to this PNG (default: bench-restore.png).")
-]
-JsonOutOption = Annotated[bool, typer.Option("--json", help="Print the raw measurements as JSON.")]
 
 
 def command(

@@ -32,7 +32,6 @@ from kvstrata.bench._agents_common import (
     fmt_ms,
     load_bench_model,
     mib,
-    progress_bar,
     tier_bytes,
     workdir,
 )
@@ -45,6 +44,7 @@ from kvstrata.bench.mooncake import (
     load_trace,
     select,
 )
+from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
 from kvstrata.bench.report import BenchResult, BenchTable, percentile
 from kvstrata.errors import ConfigError
 
@@ -434,10 +434,8 @@ def command(
     workdir_: Annotated[
         Path | None, typer.Option("--workdir", help="Keep the stores here (default: a removed temp dir).")
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the raw measurements as JSON.")] = False,
-    plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write the plot to this PNG (default: bench-trace.png).")
-    ] = None,
+    json_out: JsonOutOption = False,
+    plot: PlotOption = None,
 ) -> None:
     """Replay Mooncake's conversation trace: kvstrata's default policy against plain LRU."""
     from kvstrata.cli.bench_cmd import show

@@ -4,7 +4,6 @@ PNG plot (``--plot``); the figures in docs/benchmarks.md come from these command
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
@@ -14,11 +13,6 @@ from kvstrata.cli.common import console
 bench_app = typer.Typer(
     help="Benchmarks: kvstrata side by side with a baseline, in one run.", no_args_is_help=True
 )
-
-PlotOption = Annotated[
-    Path | None, typer.Option("--plot", help="Write the plot to this PNG (default: bench-<suite>.png).")
-]
-JsonOutOption = Annotated[bool, typer.Option("--json", help="Print the raw measurements as JSON.")]
 
 
 def show(result: BenchResult, *, json_out: bool, plot: Path | None) -> None:
