@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvstrata import KVStore, StoreConfig
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, make_block
 
@@ -48,19 +48,19 @@ def run(high: float, low: float, dwell_s: float, duration_s: float) -> dict[str,
         keys = []
         for seed in range(WORKING_SET):
             block = make_block(LAYOUT, seed)
-            store.blocks.put(block)
+            store.tiered.put(block)
             keys.append(block.key)
-        store.blocks.wait_demotions()
-        counters = store.blocks.counters.tiers
+        store.wait_demotions()
+        counters = store.counters.tiers
         before = counters[TierLevel.L1].demotions + counters[TierLevel.L2].promotions
         fills = []
         started = time.perf_counter()
         reads = 0
         while time.perf_counter() - started < duration_s:
             for key in keys:
-                assert store.blocks.lookup(key, scheduled=False) is not None
-                store.blocks.wait_demotions()
-                fills.append(store.blocks.l1.usage().fill)
+                assert store.tiered.lookup(key, scheduled=False) is not None
+                store.wait_demotions()
+                fills.append(store.tiered.tier(TierLevel.L1).usage().fill)
             reads += len(keys)
         seconds = time.perf_counter() - started
         migrations = counters[TierLevel.L1].demotions + counters[TierLevel.L2].promotions - before

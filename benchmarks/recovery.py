@@ -25,8 +25,8 @@ import numpy as np
 from kvstrata import KVLayout, KVStore, StoreConfig
 from kvstrata.codecs import CodecId, EncodedBlock
 from kvstrata.keys import BlockKey, chain_key, root_key
-from kvstrata.kvbin import encode_record
-from kvstrata.sessions import Session
+from kvstrata.store.kvbin import encode_record
+from kvstrata.store.sessions import Session
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=64)
 
@@ -50,12 +50,12 @@ def build(root: Path, sessions: int, blocks: int) -> None:
             record = encode_record(
                 parent, EncodedBlock(CodecId.IDENTITY, b"", payload, 64), LAYOUT.fingerprint
             )
-            path = store.blocks.l3.path_for(parent)
+            path = store.disk.path_for(parent)
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(record)
             rows.append((parent, 0, 64, b * 64, 0, len(record), now, now, 0))
         session = Session("default", f"agent-{s:04d}", b"bench", tokens, keys)
-        store.index.put_session(session.to_row())
+        store.index.sessions.put(session.to_row())
     with store.index.transaction() as db:
         db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
     store.close()
@@ -65,7 +65,7 @@ def measure_once(root: Path) -> float:
     code = (
         "import time, sys; from kvstrata import KVStore;"
         f"t = time.perf_counter(); s = KVStore({str(root)!r}); d = time.perf_counter() - t;"
-        "assert s.blocks.l3.usage().blocks > 0; print(d, s.blocks.l3.usage().blocks, len(s.list_sessions()))"
+        "assert s.disk.usage().blocks > 0; print(d, s.disk.usage().blocks, len(s.list_sessions()))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvstrata import KVLayout
-from kvstrata.block import KVBlock
 from kvstrata.keys import chain_key, root_key
-from kvstrata.tiers.remote import RedisTier, RemoteConfig
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.remote import RedisTier, RemoteConfig
 
 from redis_servers import RedisServer
 

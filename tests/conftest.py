@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvstrata import KVLayout, KVStore, StoreConfig
-from kvstrata.block import KVBlock
 from kvstrata.keys import BlockKey, chain_key, root_key
 from kvstrata.policy.ladder import CodecLadder
+from kvstrata.store.block import KVBlock
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4)
 

@@ -37,7 +37,7 @@ def main(root: str, seed: int) -> None:
             store.checkpoint(session)
         if rng.random() < 0.02:
             child = f"{session.id}-fork{rng.randrange(1000)}"
-            if store.index.get_session(session.namespace, child) is None:
+            if store.index.sessions.get(session.namespace, child) is None:
                 store.fork(session, child)
 
 

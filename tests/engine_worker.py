@@ -10,7 +10,7 @@ from dataclasses import asdict
 from kvstrata import KVStore, StoreConfig
 from kvstrata.engine import Engine
 from kvstrata.integrations.transformers.model import load_model
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.store.tiers.remote import RemoteConfig
 
 
 def main() -> None:

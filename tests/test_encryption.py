@@ -16,9 +16,9 @@ from kvstrata import KVStore
 from kvstrata.cli.main import app
 from kvstrata.crypto import Keyring, parse_master_key
 from kvstrata.errors import ConfigError, CorruptBlockError, EncryptionKeyError
-from kvstrata.kvbin import decode_record, encode_record
-from kvstrata.tiers.base import TierLevel
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.store.kvbin import decode_record, encode_record
+from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.remote import RemoteConfig
 
 from conftest import LAYOUT, make_block, token_kv
 from redis_servers import RedisServer
@@ -74,7 +74,7 @@ def test_encrypted_store_round_trip_restart_and_missing_key(open_store: Factory,
     without_key = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
     loaded = without_key.load(without_key.session("s", "tenant-a"))
     assert loaded.num_tokens == 0 and loaded.missing_from_token == 0  # unreadable: recomputed, never guessed
-    assert without_key.blocks.counters.unreadable_blocks == 1
+    assert without_key.counters.unreadable_blocks == 1
     assert all(f.exists() for f in files)  # not quarantined: the files are fine, the key is missing
     without_key.close()
 
@@ -98,7 +98,7 @@ def test_remote_values_are_sealed(open_store: Factory, tmp_path: Path, redis_ser
     store.checkpoint(session)
     store.flush()
     raw = redis.Redis.from_url(redis_server.url)
-    value = raw.get(store.blocks.l4._name(session.block_keys[0]))  # type: ignore[union-attr]
+    value = raw.get(store.tiered.remote.tier._name(session.block_keys[0]))  # type: ignore[union-attr]
     assert value is not None and kv[:, :, :, :4].contiguous().numpy().tobytes()[:64] not in value
     other = open_store(
         tmp_path / "b", encryption_key=KEY, remote=remote, l1_budget_bytes=0, l2_budget_bytes=0

@@ -20,7 +20,7 @@ from kvstrata.engine.engine import _common_prefix, _pick
 from kvstrata.integrations.transformers.cache import cache_for
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 BLOCK_TOKENS = 16
 SYSTEM = "You are a careful assistant. " * 5
@@ -339,11 +339,12 @@ def test_sessions_beyond_the_l1_residency_limit_are_demoted(tiny: LoadedModel, o
     # no shared system prompt: each session's blocks are its own
     first = engine.chat("a", [{"role": "user", "content": "Alpha " * 40}], max_new_tokens=4)
     engine.chat("b", [{"role": "user", "content": "Bravo " * 40}], max_new_tokens=4)
-    store.blocks.wait_demotions()
+    store.wait_demotions()
     a_keys = store.session("a").block_keys
-    assert a_keys and not any(store.blocks.l1.contains(k) for k in a_keys)
-    assert all(store.blocks.l2.contains(k) for k in a_keys)
-    assert any(store.blocks.l1.contains(k) for k in store.session("b").block_keys)  # b stays resident
+    assert a_keys and not any(store.tiered.tier(TierLevel.L1).contains(k) for k in a_keys)
+    assert all(store.tiered.tier(TierLevel.L2).contains(k) for k in a_keys)
+    l1 = store.tiered.tier(TierLevel.L1)
+    assert any(l1.contains(k) for k in store.session("b").block_keys)  # b stays resident
     again = engine.chat(
         "a",
         [
@@ -361,11 +362,11 @@ def test_background_sessions_leave_l1_before_interactive_ones(tiny: LoadedModel,
     engine = Engine(tiny, store, l1_resident_sessions=1)
     engine.chat("a", [{"role": "user", "content": "Alpha " * 40}], max_new_tokens=4)
     engine.chat("b", [{"role": "user", "content": "Bravo " * 40}], max_new_tokens=4, priority="background")
-    store.blocks.wait_demotions()
+    store.wait_demotions()
     # b was served last, but it is background: it leaves L1, the interactive a stays
-    assert all(store.blocks.l1.contains(k) for k in store.session("a").block_keys)
+    assert all(store.tiered.tier(TierLevel.L1).contains(k) for k in store.session("a").block_keys)
     b_keys = store.session("b").block_keys
-    assert b_keys and not any(store.blocks.l1.contains(k) for k in b_keys)
+    assert b_keys and not any(store.tiered.tier(TierLevel.L1).contains(k) for k in b_keys)
 
 
 def test_hinted_session_is_prefetched_into_l1(tiny: LoadedModel, open_store: Opener) -> None:
@@ -376,10 +377,10 @@ def test_hinted_session_is_prefetched_into_l1(tiny: LoadedModel, open_store: Ope
     store = open_store("hint")  # a restart: B's blocks are only on disk
     engine = Engine(tiny, store)
     keys = store.session("b").all_keys()
-    assert not any(store.blocks.l1.contains(k) for k in keys)
+    assert not any(store.tiered.tier(TierLevel.L1).contains(k) for k in keys)
     engine.hint(next=["b"])
     assert engine._prefetcher.wait_idle(10)
-    assert all(store.blocks.l1.contains(k) for k in keys)
+    assert all(store.tiered.tier(TierLevel.L1).contains(k) for k in keys)
     again = engine.chat("b", turn2(first), max_new_tokens=4)
     assert again.cached_by_tier["L1"] == again.cached_tokens > 0
     engine.hint(next=["nobody"])  # an unknown session is not an error
@@ -393,7 +394,7 @@ def test_importance_is_collected_per_block_without_changing_output(
     store = open_store("tracked")
     tracked = Engine(tiny, store, track_importance=True).chat("s", turn1(), max_new_tokens=6)
     assert tracked.token_ids == plain.token_ids
-    scores = [store.blocks.importance(k) for k in store.session("s").all_keys()]
+    scores = [store.importance(k) for k in store.session("s").all_keys()]
     assert all(s > 0 for s in scores) and abs(sum(scores) - 1.0) < 1e-6  # shares of the attention mass
 
 
@@ -408,7 +409,7 @@ def test_request_rate_and_system_prompt_protection_signals(tiny: LoadedModel, op
     system_blocks = len(engine.prompt_token_ids(GenerationRequest("x", messages=turn1()[:1]))) // BLOCK_TOKENS
     assert system_blocks >= 2
     for i, key in enumerate(session.block_keys):
-        stats = store.blocks.stats_of(key)
+        stats = store.tiered.stats.get(key)
         assert stats is not None and stats.next_use_s == pytest.approx(1 / engine.request_rate("s"))
         assert stats.protected == (i < system_blocks - 1)  # blocks wholly inside the system message
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata import GcConfig, KVStore
-from kvstrata.lifecycle import collect_garbage
+from kvstrata.store.lifecycle import collect_garbage
 
 from conftest import LAYOUT, make_block, token_kv
 
@@ -31,7 +31,7 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
         store.append(s, tokens, token_kv(LAYOUT, tokens))
         store.checkpoint(s)
     stray = make_block(LAYOUT, 42)  # a block no session references
-    store.blocks.put(stray)
+    store.tiered.put(stray)
     store.flush()
     assert len(_files(root, "hot")) == 3 * 2 + 1
     (root / "hot" / "zz").mkdir()

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from kvstrata import CorruptBlockError, KVLayout, LayoutMismatchError
 from kvstrata.cli.main import app
 from kvstrata.codecs import EncodedBlock
-from kvstrata.kvbin import HEADER_BYTES, TRAILER_BYTES, decode_record, encode_record
+from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, decode_record, encode_record
 
 from conftest import make_block
 

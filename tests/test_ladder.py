@@ -11,9 +11,9 @@ import torch
 
 from kvstrata import ConfigError, GcConfig, KVLayout, KVStore, Priority
 from kvstrata.codecs import CodecId
-from kvstrata.lifecycle import collect_garbage
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.lifecycle import collect_garbage
+from kvstrata.store.tiers.base import TierLevel
 
 from conftest import token_kv
 
@@ -27,7 +27,7 @@ def _tokens(n: int, base: int = 0) -> list[int]:
 
 
 def _l3_codecs(store: KVStore, keys: list) -> list[str]:
-    return [CodecId(store.blocks.l3.codec_of(k)).name.lower() for k in keys]  # type: ignore[arg-type]
+    return [CodecId(store.disk.codec_of(k)).name.lower() for k in keys]  # type: ignore[arg-type]
 
 
 def test_defaults_and_validation() -> None:
@@ -103,10 +103,10 @@ def test_l2_holds_blocks_in_the_ladder_codec(open_store: Factory) -> None:
     tokens = _tokens(16 * 4)
     store.append(session, tokens, token_kv(LAYOUT16, tokens))
     store.flush()
-    in_l2 = [k for k in session.block_keys if store.blocks.l2.contains(k)]
+    in_l2 = [k for k in session.block_keys if store.tiered.tier(TierLevel.L2).contains(k)]
     assert in_l2  # demoted from the one-slot L1
     old = [k for k in in_l2 if k != session.block_keys[-1]]
-    assert old and all(store.blocks.l2.codec_of(k) == CodecId.INT8 for k in old)
+    assert old and all(store.tiered.tier(TierLevel.L2).codec_of(k) == CodecId.INT8 for k in old)
 
 
 def test_realtime_session_never_attends_to_lossy_shared_blocks(open_store: Factory) -> None:
@@ -124,7 +124,7 @@ def test_realtime_session_never_attends_to_lossy_shared_blocks(open_store: Facto
     realtime.block_keys = list(background.block_keys[:3])
     loaded = store.load(realtime)
     assert loaded.num_tokens == 0 and loaded.missing_from_token == 0  # lossy blocks count as missing
-    assert store.blocks.counters.rejected_lossy > 0
+    assert store.counters.rejected_lossy > 0
     # the realtime agent recomputes and writes exact KV: the shared blocks are upgraded in place
     realtime.token_ids, realtime.block_keys = [], []
     store.append(realtime, prefix, exact)
@@ -148,7 +148,7 @@ def test_gc_archives_idle_blocks_to_the_archive_codec(open_store: Factory, tmp_p
     assert report.blocks_archived == 2  # the background session's blocks; realtime ones stay exact
     assert _l3_codecs(store, sessions["background"].block_keys) == ["kivi2", "kivi2"]
     assert _l3_codecs(store, sessions["realtime"].block_keys) == ["identity", "identity"]
-    assert all(store.blocks.l3.is_cold(k) for s in sessions.values() for k in s.block_keys)
+    assert all(store.disk.is_cold(k) for s in sessions.values() for k in s.block_keys)
     store.close()
     reopened = open_store(layout=LAYOUT16, ladder=LADDER, l1_budget_bytes=0, l2_budget_bytes=0)
     assert reopened.load(reopened.session("background")).num_tokens == 32

@@ -12,12 +12,12 @@ import torch
 from transformers import DynamicCache
 
 from kvstrata import ConfigError, KVStore, Priority, StoreConfig
-from kvstrata.archive import export_session, import_session
 from kvstrata.engine import Engine, GenerationRequest
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
 from kvstrata.keys import LINEAGE_BYTES, root_key, session_chain
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
+from kvstrata.store.archive import export_session, import_session
 
 BT = 16
 TEXT = (
@@ -199,7 +199,7 @@ def test_importance_mode_keeps_the_most_attended_blocks(tiny: LoadedModel, store
     engine = Engine(tiny, store, memory_modes={"background": mode}, track_importance=True)
     engine.complete("a", TEXT * 3, max_new_tokens=1, priority="background")
     session = store.session("a")
-    scores = [store.blocks.importance(key) for key in session.block_keys]
+    scores = [store.importance(key) for key in session.block_keys]
     assert sum(scores) > 0
     kept = mode.keep(len(session.block_keys), BT, scores)
     assert kept is not None

@@ -19,7 +19,7 @@ import redis
 from kvstrata import KVStore, StoreConfig
 from kvstrata.engine import Engine
 from kvstrata.integrations.transformers.model import load_model, save_tiny_llama
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.store.tiers.remote import RemoteConfig
 
 from redis_servers import RedisServer
 
@@ -125,7 +125,7 @@ def test_requests_complete_while_redis_is_down_or_hung(tiny_model_dir: Path, tmp
             messages.append({"role": "assistant", "content": reply.text})
             if step == 4:
                 slow.join()
-        assert store.blocks.counters.remote_errors > 0
+        assert store.counters.remote_errors > 0
     finally:
         server.resume()
         server.stop()

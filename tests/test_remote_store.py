@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvstrata import KVStore, SessionConflictError, SessionNotFoundError
-from kvstrata.tiers.base import TierLevel
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.remote import RemoteConfig
 
 from conftest import LAYOUT, token_kv
 from redis_servers import RedisServer
@@ -52,7 +52,7 @@ def test_a_second_engine_continues_a_session_from_redis(
     engine_a.append(session, [30], token_kv(LAYOUT, [30], 11))
     with pytest.raises(SessionConflictError, match="another engine"):
         engine_a.checkpoint(session)
-    assert engine_a.index.get_session("default", "agent").num_tokens == 12  # type: ignore[union-attr]
+    assert engine_a.index.sessions.get("default", "agent").num_tokens == 12  # type: ignore[union-attr]
     fork = engine_a.fork(session, "agent-a-branch")
     assert fork.token_ids == [*tokens, 30]
     # a fresh engine sees B's version
@@ -71,7 +71,7 @@ def test_redis_down_never_fails_a_request(open_store: Factory, tmp_path: Path) -
     engine.append(session, list(range(6, 12)), token_kv(LAYOUT, list(range(6, 12)), 6))
     engine.checkpoint(session)  # local checkpoint succeeds; publishing is skipped
     engine.flush()
-    assert engine.blocks.counters.remote_errors > 0
+    assert engine.counters.remote_errors > 0
     assert torch.equal(engine.load(session).kv, token_kv(LAYOUT, list(range(12))))  # type: ignore[arg-type]
     other = open_store(tmp_path / "b", remote=remote)
     with pytest.raises(SessionNotFoundError):

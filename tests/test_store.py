@@ -20,8 +20,8 @@ from kvstrata import (
     StoreBusyError,
     TierUnavailableError,
 )
-from kvstrata.block import KVBlock
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, make_block, token_kv
 
@@ -46,10 +46,10 @@ def test_random_blocks_round_trip_from_each_tier_and_after_reopen(
     store = open_store(l1_budget_bytes=budgets[0], l2_budget_bytes=budgets[1], promote_on_read=False)
     blocks = [make_block(LAYOUT, seed, num_tokens=1 + seed % 4) for seed in range(20)]
     for b in blocks:
-        store.blocks.put(b)
+        store.tiered.put(b)
     store.flush()
     for b in blocks:
-        found = store.blocks.lookup(b.key)
+        found = store.tiered.lookup(b.key)
         assert found is not None
         got, served_by = found
         assert served_by is level
@@ -57,7 +57,7 @@ def test_random_blocks_round_trip_from_each_tier_and_after_reopen(
     store.close()
     reopened = open_store()
     for b in blocks:
-        got = reopened.blocks.get(b.key)
+        got = reopened.tiered.get(b.key)
         assert got is not None and torch.equal(_bits(got.decoded(LAYOUT)), _bits(b.tensor))  # type: ignore[arg-type]
 
 
@@ -191,7 +191,7 @@ def test_one_writer_at_a_time_and_safe_read_only_opens(open_store: Factory, tmp_
     assert in_flight.exists()  # the reader left the owner's write alone
     owner.close()
     with KVStore(tmp_path / "store") as next_owner:  # the lock is released on close
-        assert next_owner.blocks.l3.removed_temp_files == 1
+        assert next_owner.disk.removed_temp_files == 1
 
 
 def test_budgets_hold_under_a_long_write_stream(open_store: Factory) -> None:
@@ -208,12 +208,12 @@ def test_budgets_hold_under_a_long_write_stream(open_store: Factory) -> None:
     for step in range(60):
         tokens = list(range(step * 3, step * 3 + 3))
         store.append(session, tokens, token_kv(LAYOUT, tokens, step * 3))
-        for tier in (store.blocks.l1, store.blocks.l2):
+        for tier in (store.tiered.tier(TierLevel.L1), store.tiered.tier(TierLevel.L2)):
             used = tier.usage().used_bytes
             assert used <= tier.budget_bytes
             peak[tier.level] = max(peak[tier.level], used)
     assert peak[TierLevel.L1] > 0 and peak[TierLevel.L2] > 0
-    counters = store.blocks.counters.tiers
+    counters = store.counters.tiers
     assert counters[TierLevel.L1].demotions > 0 and counters[TierLevel.L2].demotions > 0
     store.checkpoint(session)
     loaded = store.load(session)
@@ -224,28 +224,28 @@ def test_budgets_hold_under_a_long_write_stream(open_store: Factory) -> None:
 def test_blocks_in_use_are_not_demoted(open_store: Factory) -> None:
     store = open_store(l1_budget_bytes=2 * BLOCK, l2_budget_bytes=0)
     first = make_block(LAYOUT, 1)
-    store.blocks.put(first)
-    with store.blocks.hold([first.key]):
-        view = store.blocks.get(first.key)
+    store.tiered.put(first)
+    with store.hold([first.key]):
+        view = store.tiered.get(first.key)
         for seed in range(2, 8):
-            store.blocks.put(make_block(LAYOUT, seed))
-        assert store.blocks.l1.contains(first.key)
+            store.tiered.put(make_block(LAYOUT, seed))
+        assert store.tiered.tier(TierLevel.L1).contains(first.key)
         assert torch.equal(view.tensor, first.tensor)  # type: ignore[union-attr,arg-type]
 
 
 def test_corrupt_file_is_quarantined_and_treated_as_missing(open_store: Factory, tmp_path: Path) -> None:
     store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     block = make_block(LAYOUT, 3)
-    store.blocks.put(block)
+    store.tiered.put(block)
     store.flush()
     (path,) = _files(tmp_path / "store")
     data = bytearray(path.read_bytes())
     data[200] ^= 0x10
     path.write_bytes(bytes(data))
-    assert store.blocks.get(block.key) is None
-    assert store.blocks.counters.corrupt_blocks == 1
+    assert store.tiered.get(block.key) is None
+    assert store.counters.corrupt_blocks == 1
     assert not path.exists() and len(list((tmp_path / "store" / "quarantine").iterdir())) == 1
-    assert not store.blocks.contains(block.key)
+    assert not store.contains(block.key)
     assert store.stats().corrupt_blocks == 1
 
 
@@ -260,7 +260,7 @@ def test_missing_file_is_lost_not_a_crash(open_store: Factory, tmp_path: Path) -
     reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     loaded = reopened.load(reopened.session("s"))
     assert loaded.missing_from_token is not None and loaded.num_tokens < 9
-    assert len(reopened.blocks.l3.lost) == 1
+    assert len(reopened.disk.lost) == 1
 
 
 def test_disk_full_is_reported_once_and_writing_resumes(
@@ -288,15 +288,15 @@ def test_disk_full_is_reported_once_and_writing_resumes(
         with pytest.raises(TierUnavailableError):
             store.checkpoint(session)
     assert sum("background write failed" in r.message for r in caplog.records) == 1  # reported once
-    assert store.blocks.failing()
+    assert store.tiered.failing()
     assert not list((store.root / "tmp").iterdir())  # no half-written files left behind
     # still served from memory, exactly
     assert torch.equal(store.load(session).kv, token_kv(LAYOUT, list(range(20))))  # type: ignore[arg-type]
     # the index still holds the last good checkpoint
-    assert store.index.get_session("default", "s").num_tokens == 8  # type: ignore[union-attr]
+    assert store.index.sessions.get("default", "s").num_tokens == 8  # type: ignore[union-attr]
     disk_full = False
     store.checkpoint(session)  # space is back: the dirty blocks are written, the checkpoint commits
-    assert not store.blocks.failing()
+    assert not store.tiered.failing()
     store.close()
     reopened = open_store()
     assert torch.equal(reopened.load(reopened.session("s")).kv, token_kv(LAYOUT, list(range(20))))  # type: ignore[arg-type]
@@ -305,19 +305,19 @@ def test_disk_full_is_reported_once_and_writing_resumes(
 def test_background_writer_bandwidth_cap_and_backpressure(open_store: Factory) -> None:
     store = open_store(writer_queue_bytes=2 * BLOCK, writer_bandwidth_bytes_per_s=50 * BLOCK)
     for seed in range(10):
-        store.blocks.put(make_block(LAYOUT, seed))
+        store.tiered.put(make_block(LAYOUT, seed))
     store.flush()
-    assert store.blocks.writer.written_blocks == 10
-    assert store.blocks.l3.usage().blocks == 10
+    assert store.tiered.disk_writer.written_blocks == 10
+    assert store.disk.usage().blocks == 10
 
 
 def test_put_of_known_block_is_deduplicated(open_store: Factory) -> None:
     store = open_store()
     block = make_block(LAYOUT, 1)
-    store.blocks.put(block)
-    store.blocks.put(KVBlock(block.key, block.num_tokens, 0, tensor=block.tensor.clone()))  # type: ignore[union-attr]
+    store.tiered.put(block)
+    store.tiered.put(KVBlock(block.key, block.num_tokens, 0, tensor=block.tensor.clone()))  # type: ignore[union-attr]
     store.flush()
-    assert store.blocks.writer.written_blocks == 1
+    assert store.tiered.disk_writer.written_blocks == 1
 
 
 def test_watermark_demotion_runs_in_the_background_down_to_the_low_mark(open_store: Factory) -> None:
@@ -325,16 +325,19 @@ def test_watermark_demotion_runs_in_the_background_down_to_the_low_mark(open_sto
         l1_budget_bytes=20 * BLOCK, l2_budget_bytes=1 << 20, high_watermark=0.5, low_watermark=0.25
     )
     blocks = [make_block(LAYOUT, seed) for seed in range(12)]  # 12 of 20 slots: above the high mark, not full
-    for block in blocks:
-        store.blocks.put(block)
-    store.blocks.wait_demotions()
-    l1 = store.blocks.l1
+    # The demoter thread waits for the placement lock: it starts its pass only after the last put
+    # (otherwise a put landing after its pass leaves the tier one block above the low mark).
+    with store.tiered.lock:
+        for block in blocks:
+            store.tiered.put(block)
+    store.wait_demotions()
+    l1 = store.tiered.tier(TierLevel.L1)
     assert l1.usage().used_bytes <= 0.25 * l1.budget_bytes
-    assert store.blocks.counters.tiers[TierLevel.L1].demotions == 12 - 5
+    assert store.counters.tiers[TierLevel.L1].demotions == 12 - 5
     # the least recently used went first, and every block is still served, bit-exact
     assert all(not l1.contains(b.key) for b in blocks[:7]) and all(l1.contains(b.key) for b in blocks[7:])
     for block in blocks:
-        found = store.blocks.lookup(block.key)
+        found = store.tiered.lookup(block.key)
         assert found is not None and torch.equal(_bits(found[0].decoded(LAYOUT)), _bits(block.tensor))  # type: ignore[arg-type]
 
 
@@ -350,7 +353,7 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         session = store.create_session("s")
         store.append(session, tokens, token_kv(layout, tokens))
         store.checkpoint(session)
-        foreign_files.append(store.blocks.l3.path_for(session.block_keys[1]).read_bytes())
+        foreign_files.append(store.disk.path_for(session.block_keys[1]).read_bytes())
         store.close()
     for i, foreign in enumerate(foreign_files):
         store = open_store(tmp_path / f"mine{i}", l1_budget_bytes=0, l2_budget_bytes=0)
@@ -358,11 +361,11 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         store.append(session, tokens, token_kv(LAYOUT, tokens))
         store.checkpoint(session)
         store.flush()
-        store.blocks.l3.path_for(session.block_keys[1]).write_bytes(foreign)
+        store.disk.path_for(session.block_keys[1]).write_bytes(foreign)
         loaded = store.load(session)
         assert loaded.missing_from_token == 4 and loaded.num_tokens == 4  # stops before the foreign block
         assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens[:4]))  # type: ignore[arg-type]
-        assert store.blocks.counters.corrupt_blocks == 1
+        assert store.counters.corrupt_blocks == 1
         assert len(list((tmp_path / f"mine{i}" / "quarantine").iterdir())) == 1
 
 
@@ -371,28 +374,28 @@ def test_idle_timers_demote_blocks_tier_by_tier(open_store: Factory) -> None:
         l1_budget_bytes=8 * BLOCK, l2_budget_bytes=1 << 20, l1_idle_demote_s=0.2, l2_idle_demote_s=0.6
     )
     block = make_block(LAYOUT, 1)
-    store.blocks.put(block)
-    assert store.blocks.where(block.key) is TierLevel.L1
+    store.tiered.put(block)
+    assert store.where(block.key) is TierLevel.L1
     deadline = time.monotonic() + 5
-    while store.blocks.where(block.key) is TierLevel.L1 and time.monotonic() < deadline:
+    while store.where(block.key) is TierLevel.L1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert store.blocks.where(block.key) is TierLevel.L2  # idle 0.2 s: out of device memory
-    while store.blocks.l2.contains(block.key) and time.monotonic() < deadline:
+    assert store.where(block.key) is TierLevel.L2  # idle 0.2 s: out of device memory
+    while store.tiered.tier(TierLevel.L2).contains(block.key) and time.monotonic() < deadline:
         time.sleep(0.05)
     store.flush()
-    assert store.blocks.where(block.key) is TierLevel.L3  # idle 0.6 s: out of host memory
-    assert torch.equal(store.blocks.get(block.key).decoded(LAYOUT), block.tensor)  # type: ignore[union-attr,arg-type]
+    assert store.where(block.key) is TierLevel.L3  # idle 0.6 s: out of host memory
+    assert torch.equal(store.tiered.get(block.key).decoded(LAYOUT), block.tensor)  # type: ignore[union-attr,arg-type]
 
 
 def test_dwell_time_keeps_hinted_reads_from_repromoting(open_store: Factory) -> None:
     store = open_store(l1_budget_bytes=8 * BLOCK, l2_budget_bytes=1 << 20, min_dwell_s=30.0)
     block = make_block(LAYOUT, 2)
-    store.blocks.put(block)
-    store.blocks.demote_from_l1([block.key])
-    store.blocks.wait_demotions()
-    assert store.blocks.where(block.key) is TierLevel.L2
-    found = store.blocks.lookup(block.key, scheduled=False)  # a hint: served, not promoted
+    store.tiered.put(block)
+    store.demote_from_l1([block.key])
+    store.wait_demotions()
+    assert store.where(block.key) is TierLevel.L2
+    found = store.tiered.lookup(block.key, scheduled=False)  # a hint: served, not promoted
     assert found is not None and found[1] is TierLevel.L2
-    assert store.blocks.where(block.key) is TierLevel.L2
-    found = store.blocks.lookup(block.key)  # the agent runs: promoted despite the dwell time
-    assert found is not None and store.blocks.where(block.key) is TierLevel.L1
+    assert store.where(block.key) is TierLevel.L2
+    found = store.tiered.lookup(block.key)  # the agent runs: promoted despite the dwell time
+    assert found is not None and store.where(block.key) is TierLevel.L1

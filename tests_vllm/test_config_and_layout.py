@@ -11,7 +11,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.integrations.vllm.config import ConnectorConfig, parse_ladder, parse_size
 from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 
 
 def test_sizes() -> None:
@@ -147,17 +147,17 @@ class _Request:
 
 
 def test_scheduler_side_keys_namespaces_priorities_and_skips(tmp_path: Path) -> None:
-    from kvstrata.block import KVBlock
     from kvstrata.integrations.vllm.scheduler import SchedulerSide
     from kvstrata.layout import KVLayout
     from kvstrata.store import KVStore
+    from kvstrata.store.block import KVBlock
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
     cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
     tokens = list(range(3, 15))  # 12 tokens: 3 full blocks
     with KVStore(tmp_path, layout, model_fingerprint=b"w", config=cfg.store) as store:
         for i, key in enumerate(store.block_key_chain("default", tokens)):
-            store.blocks.put(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
+            store.tiered.put(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
         side = SchedulerSide(cfg, store)
         # every full block but the one holding the last token
         assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (8, False)

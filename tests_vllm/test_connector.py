@@ -164,7 +164,7 @@ def test_stored_blocks_are_the_models_keys_and_values(
         store_dir, read_only=True, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)
     ) as store:
         assert store.layout == LAYOUT
-        block = store.blocks.get(key)
+        block = store.tiered.get(key)
         assert block is not None
         stored = block.decoded(store.layout)
     assert stored.shape == expected.shape == LAYOUT.block_shape()

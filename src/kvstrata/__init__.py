@@ -15,8 +15,9 @@ from kvstrata.errors import (
     TierUnavailableError,
 )
 from kvstrata.layout import KVLayout
-from kvstrata.sessions import Priority, Session, SessionInfo
+from kvstrata.priority import Priority
 from kvstrata.store import KVStore
+from kvstrata.store.sessions import Session, SessionInfo
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ import platformdirs
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.store.tiers.remote import RemoteConfig
 
 MiB = 1 << 20
 GiB = 1 << 30

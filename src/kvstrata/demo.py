@@ -68,7 +68,7 @@ def run_phase(args: argparse.Namespace) -> None:
     from kvstrata.config import MiB, encryption_key_from_env
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
-    from kvstrata.tiers.remote import RemoteConfig
+    from kvstrata.store.tiers.remote import RemoteConfig
 
     torch.manual_seed(0)
     loaded = load_model(args.model, attn_implementation="sdpa", progress=True)

@@ -7,6 +7,7 @@ import pytest
 from kvstrata import ConfigError, Priority
 from kvstrata.keys import BlockKey
 from kvstrata.policy import BlockStats, CostScorer, LFUScorer, LRUKScorer, LRUScorer, get_scorer, scorer_names
+from kvstrata.store.tiers.base import TierLevel
 
 
 def key(name: str) -> BlockKey:
@@ -103,8 +104,8 @@ def test_every_scorer_runs_the_store(open_store, name: str) -> None:  # type: ig
     store = open_store(eviction=name, l1_budget_bytes=3 * LAYOUT.bytes_per_block, l2_budget_bytes=0)
     blocks = [make_block(LAYOUT, seed) for seed in range(8)]
     for b in blocks:
-        store.blocks.put(b)
+        store.tiered.put(b)
     store.flush()
-    assert store.blocks.l1.usage().blocks <= 3
+    assert store.tiered.tier(TierLevel.L1).usage().blocks <= 3
     for b in blocks:
-        assert store.blocks.get(b.key) is not None
+        assert store.tiered.get(b.key) is not None

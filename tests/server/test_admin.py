@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from server_builders import LiveServer, cached, chat, live_server, tiny_model
 
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 MESSAGES = [
     {"role": "system", "content": "You are an agent with a long memory."},
@@ -72,9 +72,9 @@ def test_pin_and_unpin_persist(server: LiveServer) -> None:
     start(server, "p1")
     with server.http() as http:
         assert http.post("/v1/sessions/p1/pin").json()["pinned"] is True
-        assert server.store.index.get_session("default", "p1").pinned
+        assert server.store.index.sessions.get("default", "p1").pinned
         assert http.post("/v1/sessions/p1/unpin").json()["pinned"] is False
-        assert not server.store.index.get_session("default", "p1").pinned
+        assert not server.store.index.sessions.get("default", "p1").pinned
 
 
 def test_hibernate_checkpoints_and_leaves_device_memory(server: LiveServer) -> None:
@@ -83,9 +83,9 @@ def test_hibernate_checkpoints_and_leaves_device_memory(server: LiveServer) -> N
     with server.http() as http:
         body = http.post("/v1/sessions/h1/hibernate").json()
     assert body["blocks"] == len(session.all_keys()) and body["num_tokens"] == session.num_tokens
-    server.store.blocks.wait_demotions()
-    assert all(server.store.blocks.durable(k) for k in session.all_keys())
-    assert all(server.store.blocks.where(k) is not TierLevel.L1 for k in session.all_keys())
+    server.store.wait_demotions()
+    assert all(server.store.tiered.durable(k) for k in session.all_keys())
+    assert all(server.store.where(k) is not TierLevel.L1 for k in session.all_keys())
     again = chat(server.client(), MESSAGES, "h1")
     assert cached(again) == again.usage.prompt_tokens - 1
     assert again.model_extra["kvstrata"]["cached_by_tier"]["L1"] == 0
@@ -115,12 +115,12 @@ def test_corrupt_archive_is_a_4xx_and_touches_nothing(server: LiveServer) -> Non
         data = bytearray(http.get("/v1/sessions/c1/export").content)
         data[len(data) // 2] ^= 0x01
         before = sorted(s.id for s in server.store.list_sessions())
-        blocks = server.store.blocks.l3.usage().blocks
+        blocks = server.store.disk.usage().blocks
         response = http.post("/v1/sessions/import", params={"id": "c1-bad"}, content=bytes(data))
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "corrupt_archive"
     assert sorted(s.id for s in server.store.list_sessions()) == before
-    assert server.store.blocks.l3.usage().blocks == blocks
+    assert server.store.disk.usage().blocks == blocks
     assert any(e["action"] == "import" and e["outcome"] == "corrupt_archive" for e in audit_lines(server))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from kvstrata.priority import Priority
 from kvstrata.server.admission import PriorityLock
-from kvstrata.sessions import Priority
 
 
 def test_waiters_are_admitted_by_priority_then_arrival() -> None:

@@ -8,11 +8,10 @@ import pytest
 import torch
 from server_builders import open_store, tiny_model
 
-from kvstrata import archive
 from kvstrata.engine import Engine
 from kvstrata.errors import CorruptBlockError, SessionExistsError
 from kvstrata.integrations.transformers.model import LoadedModel
-from kvstrata.store import KVStore
+from kvstrata.store import KVStore, archive
 
 MESSAGES = [{"role": "user", "content": "Write down everything about the archive format, please."}]
 
@@ -34,7 +33,7 @@ def exported(
 
 
 def blocks_on_disk(store: KVStore) -> int:
-    return store.blocks.l3.usage().blocks
+    return store.disk.usage().blocks
 
 
 def test_import_restores_tokens_and_kv(model: LoadedModel, exported: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]

@@ -29,7 +29,7 @@ def server(model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def store_state(srv: LiveServer) -> tuple[list[str], int]:
     srv.store.flush()
-    return sorted(s.id for s in srv.store.list_sessions()), srv.store.blocks.l3.usage().blocks
+    return sorted(s.id for s in srv.store.list_sessions()), srv.store.disk.usage().blocks
 
 
 def test_models_lists_the_served_model(server: LiveServer) -> None:

@@ -10,13 +10,17 @@ import pytest
 import torch
 
 from kvstrata import KVLayout
-from kvstrata.index import Index
-from kvstrata.tiers.base import Tier
-from kvstrata.tiers.device import DeviceTier
-from kvstrata.tiers.disk import DiskTier
-from kvstrata.tiers.host import HostTier
-from kvstrata.tiers.memory import MemoryTier
-from kvstrata.tiers.remote import RedisTier, RemoteConfig
+from kvstrata.config import StoreConfig
+from kvstrata.policy.ladder import CodecLadder
+from kvstrata.store.block import KVBlock
+from kvstrata.store.index import Index
+from kvstrata.store.placement import TieredStore
+from kvstrata.store.tiers.base import Tier, TierLevel
+from kvstrata.store.tiers.device import DeviceTier
+from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.store.tiers.host import HostTier
+from kvstrata.store.tiers.memory import MemoryTier
+from kvstrata.store.tiers.remote import RedisTier, RemoteConfig
 
 from conftest import LAYOUT, make_block
 
@@ -42,6 +46,17 @@ def _disk(tmp: Path) -> Tier:
     return DiskTier(tmp, LAYOUT, index, budget_bytes=CAPACITY_BLOCKS * (LAYOUT.bytes_per_block + 96))
 
 
+def _tiered(tmp: Path) -> Tier:
+    """The placement itself, over in-memory fakes for every tier (L1, L2 and the durable tier)."""
+    block = LAYOUT.bytes_per_block
+    return TieredStore(
+        LAYOUT,
+        StoreConfig(ladder=CodecLadder.exact(), l1_idle_demote_s=None, l2_idle_demote_s=None),
+        memory_tiers=[MemoryTier(2 * block, TierLevel.L1), MemoryTier(2 * block, TierLevel.L2)],
+        disk=MemoryTier(None, TierLevel.L3),
+    )
+
+
 def _redis(request: pytest.FixtureRequest, cluster: bool) -> Tier:
     servers = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     url = servers[0].url if cluster else servers.url
@@ -50,7 +65,7 @@ def _redis(request: pytest.FixtureRequest, cluster: bool) -> Tier:
 
 
 @pytest.fixture(
-    params=["memory", "L1-device", "L2-host", "L3-disk", "L4-redis", "L4-redis-cluster"],
+    params=["memory", "L1-device", "L2-host", "L3-disk", "L4-redis", "L4-redis-cluster", "tiered-over-fakes"],
 )
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     factories: dict[str, Callable[[], Tier]] = {
@@ -60,6 +75,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
         "L3-disk": lambda: _disk(tmp_path),
         "L4-redis": lambda: _redis(request, cluster=False),
         "L4-redis-cluster": lambda: _redis(request, cluster=True),
+        "tiered-over-fakes": lambda: _tiered(tmp_path),
     }
     t = factories[request.param]()
     yield t
@@ -86,6 +102,23 @@ def test_partial_block_keeps_its_token_count(tier: Tier) -> None:
     got = tier.get(block.key)
     assert got is not None and got.num_tokens == 3
     assert torch.equal(got.decoded(LAYOUT), block.tensor)  # type: ignore[arg-type]
+
+
+def test_codec_of_names_the_stored_codec(tier: Tier) -> None:
+    block = make_block(LAYOUT, 5)
+    assert tier.codec_of(block.key) is None
+    assert tier.put(block)
+    assert tier.codec_of(block.key) == 0  # identity: what was put, exact
+
+
+def test_replace_swaps_the_stored_copy(tier: Tier) -> None:
+    block = make_block(LAYOUT, 6)
+    assert tier.put(block)
+    other = make_block(LAYOUT, 7)  # other values under the same key
+    assert tier.put(KVBlock(block.key, other.num_tokens, 0, other.tensor), replace=True)
+    got = tier.get(block.key)
+    assert got is not None and torch.equal(got.decoded(LAYOUT), other.tensor)  # type: ignore[arg-type]
+    assert tier.usage().blocks == 1
 
 
 def test_miss_is_none_and_contains_tracks_membership(tier: Tier) -> None:

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import itertools
 
-from kvstrata.block import KVBlock
 from kvstrata.codecs import CodecId, EncodedBlock
 from kvstrata.keys import BlockKey
-from kvstrata.tiers.host import HostTier, slab_sizes
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.host import HostTier, slab_sizes
 
 from conftest import LAYOUT
 

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from kvstrata import CorruptBlockError, SessionConflictError, TierUnavailableError
-from kvstrata.tiers.remote import RedisTier, RemoteConfig
+from kvstrata.store.tiers.remote import RedisTier, RemoteConfig
 
 from conftest import LAYOUT, make_block
 from redis_servers import RedisServer

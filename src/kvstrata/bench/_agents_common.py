@@ -52,18 +52,14 @@ def workdir(path: Path | None, prefix: str) -> Iterator[Path]:
 
 def tier_bytes(store: KVStore) -> dict[str, int]:
     """Bytes the store's tiers hold now: L1 and L2 used bytes (memory), L3 stored bytes (disk)."""
-    blocks = store.blocks
-    return {
-        "L1": blocks.l1.usage().used_bytes,
-        "L2": blocks.l2.usage().used_bytes,
-        "L3": blocks.l3.usage().stored_bytes,
-    }
+    usage = {level.name: u for level, u in store.tier_usage().items()}
+    return {"L1": usage["L1"].used_bytes, "L2": usage["L2"].used_bytes, "L3": usage["L3"].stored_bytes}
 
 
 def tier_hits(store: KVStore) -> dict[str, int]:
-    from kvstrata.tiers.base import TierLevel
+    from kvstrata.store.tiers.base import TierLevel
 
-    counters = store.blocks.counters.tiers
+    counters = store.counters.tiers
     return {level.name: counters[level].hits for level in (TierLevel.L1, TierLevel.L2, TierLevel.L3)}
 
 

@@ -28,7 +28,8 @@ from kvstrata.cli.common import (
 )
 from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
 from kvstrata.errors import KVStrataError
-from kvstrata.sessions import Priority, validate_session_id
+from kvstrata.priority import Priority
+from kvstrata.store.sessions import validate_session_id
 
 BLOCK_TOKENS = 64
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 from kvstrata.store import KVStore
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.store.tiers.remote import RemoteConfig
 
 console = Console()
 err_console = Console(stderr=True)

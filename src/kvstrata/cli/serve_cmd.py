@@ -60,9 +60,9 @@ def serve(
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
     from kvstrata.policy.memory import MemoryMode, MemoryModeKind
+    from kvstrata.priority import Priority
     from kvstrata.server import ServerConfig, create_app
     from kvstrata.server.auth import ENV_VAR, ApiKeys, check_bind
-    from kvstrata.sessions import Priority
     from kvstrata.store import KVStore
 
     try:

@@ -14,8 +14,8 @@ from kvstrata.cli.common import JsonOption, StoreOption, console, err_console, o
 from kvstrata.codecs import CodecId
 from kvstrata.config import DAY_S, GcConfig
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
-from kvstrata.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
-from kvstrata.lifecycle import collect_garbage
+from kvstrata.store.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
+from kvstrata.store.lifecycle import collect_garbage
 
 store_app = typer.Typer(help="Inspect a store.", no_args_is_help=True)
 

@@ -31,12 +31,12 @@ from kvstrata.integrations.transformers.cache import KVStrataCache, layer_device
 from kvstrata.integrations.transformers.model import LoadedModel
 from kvstrata.keys import LINEAGE_BYTES
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
-from kvstrata.sessions import Priority, Session
+from kvstrata.priority import Priority
 from kvstrata.store import DEFAULT_NAMESPACE, KVStore, LoadedKV
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.sessions import Session
+from kvstrata.store.tiers.base import TierLevel
 
 Message = dict[str, str]
-_RESIDENCY_RANK = {Priority.BACKGROUND: 0, Priority.INTERACTIVE: 1, Priority.REALTIME: 2}
 StreamCallback = Callable[[str], None]
 
 
@@ -373,7 +373,7 @@ class Engine:
             self._recycle(prefix, cache)
             if prefix.kept_blocks is not None:  # blocks the session no longer attends to
                 kept = set(prefix.kept_blocks)
-                self.store.blocks.demote_from_l1(
+                self.store.demote_from_l1(
                     k for i, k in enumerate(session.block_keys) if i not in kept and i * bt < start
                 )
             self._record_signals(request, session, prompt_ids)
@@ -415,12 +415,12 @@ class Engine:
             # the least recently served session of the lowest class leaves first: a burst of
             # background agents does not push the interactive and realtime ones out of L1
             victim = min(
-                self._resident, key=lambda k: _RESIDENCY_RANK[self._resident[k].priority]
+                self._resident, key=lambda k: -self._resident[k].priority.rank
             )  # min() keeps the first (least recently served) of equal rank
             evicted.append(self._resident.pop(victim))
         if evicted:
             keep = {k for s in self._resident.values() for k in s.all_keys()}
-            self.store.blocks.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
+            self.store.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
 
     @torch.inference_mode()
     def _forward(
@@ -465,7 +465,7 @@ class Engine:
             self._gaps[key] = gap if previous is None else 0.7 * previous + 0.3 * gap
         keys = session.all_keys()
         if key in self._gaps:
-            self.store.blocks.set_next_use(keys, self._gaps[key])
+            self.store.set_next_use(keys, self._gaps[key])
         messages = request.messages or []
         if messages and messages[0].get("role") == "system":
             system_ids = self.model.tokenizer.apply_chat_template([messages[0]], tokenize=True)
@@ -475,7 +475,7 @@ class Engine:
                 min(_common_prefix(list(system_ids), prompt_ids), session.num_tokens)
                 // self.store.layout.block_tokens
             )
-            self.store.blocks.protect(session.block_keys[:full])
+            self.store.protect(session.block_keys[:full])
 
     def _record_importance(self, session: Session, kept_blocks: list[int] | None = None) -> None:
         """Credit each of the session's blocks with the attention mass it received this request.
@@ -487,7 +487,7 @@ class Engine:
         keys = session.all_keys() if kept_blocks is None else [session.block_keys[i] for i in kept_blocks]
         mass = self._tracker.normalized(len(keys))
         self._tracker.reset()
-        self.store.blocks.add_importance(zip(keys, mass.tolist(), strict=True))
+        self.store.add_importance(zip(keys, mass.tolist(), strict=True))
 
     # -- prefix reuse ----------------------------------------------------------------------------
     def _take_spare(self, tokens: int) -> torch.Tensor | None:
@@ -588,9 +588,8 @@ class Engine:
         full = len(session.block_keys)
         importance = None
         if mode.kind is MemoryModeKind.IMPORTANCE:
-            importance = [self.store.blocks.importance(key) for key in session.block_keys]
-        stats = [self.store.blocks.stats_of(key) for key in session.block_keys]
-        system = [i for i, st in enumerate(stats) if st is not None and st.protected]
+            importance = [self.store.importance(key) for key in session.block_keys]
+        system = [i for i, key in enumerate(session.block_keys) if self.store.is_protected(key)]
         kept = mode.keep(full, bt, importance, protected=system)
         if kept is None:
             return None

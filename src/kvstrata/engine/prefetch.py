@@ -20,12 +20,11 @@ import time
 from collections.abc import Sequence
 
 from kvstrata.errors import KVStrataError
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 from kvstrata.store import KVStore
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 log = logging.getLogger(__name__)
-_RANK = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
 
 
 class Prefetcher:
@@ -48,7 +47,7 @@ class Prefetcher:
                 found = self.store.session_keys(sid, namespace)
                 if found is None:
                     continue  # a new session: nothing to load
-                heapq.heappush(self._heap, (_RANK[found[1]], next(self._order), namespace, sid))
+                heapq.heappush(self._heap, (found[1].rank, next(self._order), namespace, sid))
             self._cond.notify_all()
 
     def realtime_started(self) -> None:
@@ -98,19 +97,17 @@ class Prefetcher:
         if found is None:
             return
         keys, priority = found
-        blocks = self.store.blocks
-        blocks.prefetch_remote(keys)
-        max_loss = self.store.config.ladder.max_loss_rank(priority)
+        self.store.prefetch_remote(keys)
         paced = priority is Priority.BACKGROUND and self.background_bytes_per_s
         for key in keys:
             if self._closed:
                 return
-            if blocks.where(key) in (TierLevel.L1, None):
+            if self.store.where(key) in (TierLevel.L1, None):
                 continue
             if priority is Priority.BACKGROUND:
                 self._yield_to_realtime()
             started = time.monotonic()
-            found_block = blocks.lookup(key, priority=priority, max_loss=max_loss, scheduled=True)
+            found_block = self.store.lookup(key, priority=priority, scheduled=True)
             if found_block is None:
                 return
             self.prefetched_blocks += 1

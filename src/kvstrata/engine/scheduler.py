@@ -15,9 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvstrata.errors import ConfigError, KVStrataError
-from kvstrata.sessions import Priority
-
-PRIORITY_RANK: dict[Priority, int] = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
+from kvstrata.priority import Priority
 
 
 class QueueFullError(KVStrataError):
@@ -45,7 +43,7 @@ class Scheduler:
 
     def submit(self, request: Any) -> Future[Any]:
         future: Future[Any] = Future()
-        rank = PRIORITY_RANK[Priority.parse(request.priority)]
+        rank = Priority.parse(request.priority).rank
         with self._cond:
             if self._closed:
                 raise SchedulerClosedError("the engine's scheduler is closed")

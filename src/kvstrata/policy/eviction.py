@@ -21,7 +21,7 @@ from typing import Protocol
 
 from kvstrata.errors import ConfigError
 from kvstrata.keys import BlockKey
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 
 HISTORY_K = 2
 PRIORITY_WEIGHT = {Priority.REALTIME: 8.0, Priority.INTERACTIVE: 2.0, Priority.BACKGROUND: 1.0}

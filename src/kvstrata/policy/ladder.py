@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from kvstrata.codecs import CodecId, get_codec
 from kvstrata.errors import ConfigError
-from kvstrata.sessions import Priority
-from kvstrata.tiers.base import TierLevel
+from kvstrata.priority import Priority
+from kvstrata.store.tiers.base import TierLevel
 
 # How much a codec loses: 0 exact, higher is lossier. Decides which stored blocks a session may use.
 LOSS_RANK: dict[CodecId, int] = {
@@ -35,16 +35,11 @@ LOSS_RANK: dict[CodecId, int] = {
     CodecId.SPARSE: 5,
     CodecId.NAIVE_INT4: 5,
 }
-PRIORITY_ORDER = {Priority.BACKGROUND: 0, Priority.INTERACTIVE: 1, Priority.REALTIME: 2}
 
 
 def loss_rank(codec: CodecId | int | str) -> int:
     codec_id = get_codec(codec).codec_id if isinstance(codec, str) else CodecId(codec)
     return LOSS_RANK[codec_id]
-
-
-def higher_priority(a: Priority, b: Priority) -> Priority:
-    return a if PRIORITY_ORDER[a] >= PRIORITY_ORDER[b] else b
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,14 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from kvstrata import archive
 from kvstrata.errors import KVStrataError
+from kvstrata.priority import Priority
 from kvstrata.server.context import ServerContext
 from kvstrata.server.deps import client_address, context, locked, require_tenant
 from kvstrata.server.errors import APIError, from_kvstrata
 from kvstrata.server.schemas import CreateSessionRequest, ForkRequest
-from kvstrata.sessions import Priority, SessionInfo
+from kvstrata.store import archive
+from kvstrata.store.sessions import SessionInfo
 
 router = APIRouter(prefix="/v1/sessions")
 
@@ -165,7 +166,7 @@ async def hibernate_session(
         session = ctx.store.session(session_id, tenant)
         ctx.store.checkpoint(session)  # every block durable in L3 first
         keys = session.all_keys()
-        ctx.store.blocks.demote_from_l1(keys)
+        ctx.store.demote_from_l1(keys)
         return {
             "object": "session.hibernated",
             "id": session_id,

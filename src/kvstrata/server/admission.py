@@ -13,9 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvstrata.sessions import Priority
-
-_RANK = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
+from kvstrata.priority import Priority
 
 
 class PriorityLock:
@@ -28,7 +26,7 @@ class PriorityLock:
 
     @contextmanager
     def hold(self, priority: Priority = Priority.INTERACTIVE) -> Iterator[None]:
-        ticket = (_RANK[priority], next(self._arrivals))
+        ticket = (priority.rank, next(self._arrivals))
         with self._cond:
             heapq.heappush(self._queue, ticket)
             self._waiting[priority] += 1

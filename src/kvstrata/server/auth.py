@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstrata.errors import ConfigError
-from kvstrata.sessions import validate_session_id
 from kvstrata.store import DEFAULT_NAMESPACE
+from kvstrata.store.sessions import validate_session_id
 
 ENV_VAR = "KVSTRATA_API_KEYS"
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Response
@@ -45,7 +45,7 @@ class StoreCollector(Collector):
                 by_codec.add_metric([tier.tier, codec], nbytes)
         yield from (blocks, used, budget, by_codec)
 
-        counters = self.store.blocks.counters
+        counters = self.store.counters
         families = {
             name: CounterMetricFamily(f"kvstrata_tier_{name}", f"Block {name} per tier.", labels=["tier"])
             for name in ("hits", "misses", "promotions", "demotions")

@@ -24,11 +24,12 @@ from starlette.concurrency import run_in_threadpool
 
 from kvstrata.engine.engine import GenerationRequest, Response
 from kvstrata.errors import ConfigError, KVStrataError
+from kvstrata.priority import Priority
 from kvstrata.server.context import ServerContext
 from kvstrata.server.deps import context, require_tenant
 from kvstrata.server.errors import APIError, from_kvstrata
 from kvstrata.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationParams, usage
-from kvstrata.sessions import Priority, validate_session_id
+from kvstrata.store.sessions import validate_session_id
 
 router = APIRouter()
 

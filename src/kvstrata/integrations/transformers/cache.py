@@ -19,8 +19,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvstrata.sessions import Session
     from kvstrata.store import KVStore, LoadedKV
+    from kvstrata.store.sessions import Session
 
 _MIN_CAPACITY_TOKENS = 64
 

@@ -21,8 +21,8 @@ from typing import Any
 from kvstrata.config import StoreConfig, WritePolicy, default_store_dir, encryption_key_from_env
 from kvstrata.errors import ConfigError
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.sessions import Priority
-from kvstrata.tiers.remote import RemoteConfig
+from kvstrata.priority import Priority
+from kvstrata.store.tiers.remote import RemoteConfig
 
 DEFAULT_NAMESPACE = "default"
 DEFAULT_PRIORITY = Priority.REALTIME

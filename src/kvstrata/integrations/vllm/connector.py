@@ -30,7 +30,7 @@ from kvstrata.integrations.vllm.layout import layout_from_vllm, model_fingerprin
 from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata
 from kvstrata.integrations.vllm.scheduler import SchedulerSide
 from kvstrata.integrations.vllm.worker import BlockSaver, WorkerSide
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

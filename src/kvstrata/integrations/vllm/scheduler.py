@@ -24,9 +24,9 @@ from kvstrata.integrations.vllm.config import ConnectorConfig
 from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.shared import EVENTS, flush_saves
 from kvstrata.keys import BlockKey, chain_key
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 from kvstrata.store import KVStore
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,10 @@ class SchedulerSide:
         keys = self._keys_upto(st, usable)[first:]
         flush_saves(self.store, keys)  # blocks that earlier steps are still saving: wait for them
         remote: set[BlockKey] = set()
-        if self.store.blocks.l4 is not None:
+        if self.store.has_remote:
             # one pipelined round trip for every block no local tier holds
-            remote = {k for k in keys if not self.store.blocks.contains(k)}
-            if not self.store.blocks.prefetch_remote(keys):
+            remote = {k for k in keys if not self.store.contains(k)}
+            if not self.store.prefetch_remote(keys):
                 remote = set()
         loaded = self.store.load_blocks(keys, priority=st.priority)
         num_blocks = loaded.num_tokens // bt
@@ -236,7 +236,7 @@ class SchedulerSide:
         if full <= st.saved_upto:
             return
         keys = self._keys_upto(st, full)
-        todo = [j for j in range(st.saved_upto, full) if not self.store.blocks.contains(keys[j])]
+        todo = [j for j in range(st.saved_upto, full) if not self.store.contains(keys[j])]
         st.saved_upto = full
         if todo:
             meta.saves.append(

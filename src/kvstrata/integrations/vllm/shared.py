@@ -90,8 +90,7 @@ def _close(entry: _Entry) -> None:
         store = entry.store
         if store.config.write_policy is WritePolicy.WRITE_BACK:
             # write-back keeps blocks in memory only until they leave it: a clean stop writes them
-            in_memory = [key for tier in store.blocks.memory_tiers for key in tier.keys()]  # noqa: SIM118
-            store.blocks.make_durable(in_memory)
+            store.persist_memory()
         store.close()  # flushes queued L3 and L4 writes
     except Exception:  # closing must not fail vLLM's shutdown
         log.exception("kvstrata: closing the store at %s failed", entry.store.root)

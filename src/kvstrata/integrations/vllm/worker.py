@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from kvstrata.block import KVBlock
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata, SaveSpec
 from kvstrata.integrations.vllm.shared import EVENTS
 from kvstrata.keys import BlockKey
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 from kvstrata.store import KVStore
+from kvstrata.store.block import KVBlock
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class BlockSaver:
             block = KVBlock(
                 BlockKey(key), layout.block_tokens, spec.start_positions[j], tensor, namespace=spec.namespace
             )
-            self.store.blocks.put(block, priority=priority, namespace=spec.namespace)
+            self.store.put_block(block, priority=priority, namespace=spec.namespace)
             EVENTS.blocks_saved += 1
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvstrata.block import KVBlock
 from kvstrata.keys import BlockKey
-from kvstrata.tiers.base import TierLevel, TierUsage
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.base import TierLevel, TierUsage
 
 
 class MemoryTier:
@@ -25,9 +25,15 @@ class MemoryTier:
             return None
         return KVBlock(block.key, block.num_tokens, block.start_pos, None, block.encoded)
 
-    def put(self, block: KVBlock) -> bool:
+    def codec_of(self, key: BlockKey) -> int | None:
+        block = self._blocks.get(key)
+        return int(block.encoded.codec) if block is not None and block.encoded is not None else None
+
+    def put(self, block: KVBlock, *, replace: bool = False) -> bool:
         if block.key in self._blocks:
-            return True
+            if not replace:
+                return True
+            self.remove(block.key)
         encoded = block.encode()
         if self.budget_bytes is not None and self._used + encoded.nbytes > self.budget_bytes:
             return False

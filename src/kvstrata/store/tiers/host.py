@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstrata.block import KVBlock
 from kvstrata.codecs.base import CodecId, EncodedBlock
 from kvstrata.errors import ConfigError
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
-from kvstrata.tiers.base import TierLevel, TierUsage
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.base import TierLevel, TierUsage
 
 _PAGE_SLACK_BYTES = 4096  # room for codec params beside a raw payload
 _MIN_SLOT_BYTES = 256
@@ -145,9 +145,11 @@ class HostTier:
         encoded = EncodedBlock(entry.codec, entry.params, payload, entry.num_tokens)
         return KVBlock(key, entry.num_tokens, entry.start_pos, None, encoded)
 
-    def put(self, block: KVBlock) -> bool:
+    def put(self, block: KVBlock, *, replace: bool = False) -> bool:
         if block.key in self._entries:
-            return True
+            if not replace:
+                return True
+            self.remove(block.key)
         encoded = block.encode()
         size = len(encoded.payload)
         slot_class = self._class_for(max(size, 1))

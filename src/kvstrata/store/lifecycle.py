@@ -15,8 +15,8 @@ from kvstrata.codecs import CodecId, get_codec
 from kvstrata.config import GcConfig
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import KEY_BYTES, BlockKey
-from kvstrata.policy.ladder import LOSS_RANK, higher_priority
-from kvstrata.sessions import Priority
+from kvstrata.policy.ladder import LOSS_RANK
+from kvstrata.priority import Priority, higher_priority
 from kvstrata.store import KVStore
 
 
@@ -56,7 +56,7 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
             priority, pinned = higher_priority(seen[0], priority), seen[1] or pinned
         referenced[key] = (priority, pinned)
 
-    for block_keys, tail_key, priority, pinned in store.index.iter_session_keys():
+    for block_keys, tail_key, priority, pinned in store.index.sessions.iter_keys():
         for i in range(0, len(block_keys), KEY_BYTES):
             reference(block_keys[i : i + KEY_BYTES], Priority.parse(priority), pinned)
         if tail_key is not None:
@@ -65,12 +65,12 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
         for key in session.all_keys():
             reference(key, session.priority, session.pinned)
 
-    l3 = store.blocks.l3
+    l3 = store.disk
     blocks_deleted = bytes_freed = moved = archived = 0
     for row in l3.rows():
         if row.key not in referenced:
             bytes_freed += row.nbytes
-            store.blocks.remove(row.key)
+            store.tiered.remove(row.key)
             blocks_deleted += 1
         elif not row.cold and now - row.last_access > config.cold_after_s:
             archived += _archive(store, row.key, row.codec, *referenced[row.key])
@@ -83,7 +83,7 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
         except ValueError:
             key = BlockKey(b"")
         # a file the index does not name (or names in the other directory) was never committed
-        if l3.is_cold(key) != cold and not store.blocks.writer.is_pending(key):
+        if l3.is_cold(key) != cold and not store.tiered.disk_writer.is_pending(key):
             path.unlink(missing_ok=True)
             orphans += 1
     return GcReport(
@@ -103,10 +103,12 @@ def _archive(store: KVStore, key: BlockKey, codec: int, priority: Priority, pinn
     if LOSS_RANK[CodecId(codec)] >= LOSS_RANK[target.codec_id]:
         return 0
     try:
-        block = store.blocks.l3.get(key)
+        block = store.disk.get(key)
     except KVStrataError:
         return 0
     if block is None:
         return 0
-    store.blocks.l3.put(block.reencoded(target, store.layout), replace=True)
+    # through the writer, like every L3 write: it swaps the file for the new codec atomically
+    store.tiered.disk_writer.submit(block.reencoded(target, store.layout))
+    store.tiered.disk_writer.flush([key])
     return 1

@@ -25,13 +25,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from kvstrata.block import KVBlock
 from kvstrata.crypto import Keyring
 from kvstrata.errors import ConfigError, CorruptBlockError, SessionConflictError, TierUnavailableError
 from kvstrata.keys import KEY_BYTES, BlockKey
-from kvstrata.kvbin import decode_record, encode_record
 from kvstrata.layout import KVLayout
-from kvstrata.tiers.base import TierLevel, TierUsage
+from kvstrata.store.block import KVBlock
+from kvstrata.store.kvbin import HEADER_BYTES, decode_record, encode_record, parse_header
+from kvstrata.store.tiers.base import TierLevel, TierUsage
 
 # Compare-and-set of a session manifest: publish only over the version the writer read. A
 # manifest that is gone (a Redis restarted without persistence, a TTL) is published afresh.
@@ -209,8 +209,18 @@ class RedisTier:
                 out.append(None)
         return out
 
-    def put(self, block: KVBlock) -> bool:
-        self.put_many([block])
+    def codec_of(self, key: BlockKey) -> int | None:
+        """From the record's header alone (a ranged read, not the whole value)."""
+        head = self._call("getrange", self._client.getrange, self._name(key), 0, HEADER_BYTES - 1)
+        if not head:
+            return None
+        try:
+            return parse_header(head).codec
+        except CorruptBlockError:
+            return None
+
+    def put(self, block: KVBlock, *, replace: bool = False) -> bool:
+        self.put_many([block])  # SET replaces whatever copy was there
         return True
 
     def put_many(self, blocks: Sequence[KVBlock]) -> None:

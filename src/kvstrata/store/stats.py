@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.codecs import CodecId
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.tiers.base import TierLevel
 
 if TYPE_CHECKING:
     from kvstrata.store import KVStore
@@ -58,20 +58,18 @@ class StoreStats:
 
 
 def live_tier_stats(store: KVStore) -> list[TierStats]:
-    blocks = store.blocks
     out = []
-    for tier in (blocks.l1, blocks.l2, blocks.l3):
+    for tier in store.tiered.tiers:
         usage = tier.usage()
-        c = blocks.counters.tiers[tier.level]
+        c = store.counters.tiers[tier.level]
         by_codec: dict[str, int] = {}
         logical = usage.stored_bytes
         if tier.level is TierLevel.L1:
             if usage.blocks:
                 by_codec["decoded"] = usage.stored_bytes
         else:
-            tier_impl = blocks.l3 if tier.level is TierLevel.L3 else blocks.l2
-            by_codec = {CodecId(c).name.lower(): n for c, n in tier_impl.bytes_by_codec().items()}
-            logical = tier_impl.logical_bytes()
+            by_codec = {CodecId(c).name.lower(): n for c, n in tier.bytes_by_codec().items()}  # type: ignore[attr-defined]
+            logical = tier.logical_bytes()  # type: ignore[attr-defined]
         out.append(
             TierStats(
                 tier.level.name,
@@ -115,18 +113,18 @@ def collect(store: KVStore) -> StoreStats:
             t.logical_bytes = prev.get("logical_bytes", 0)
             t.compression_ratio = prev.get("compression_ratio", 1.0)
             t.live = False
-    c = store.blocks.counters
+    c = store.counters
     totals = snapshot.get("totals", {})
     return StoreStats(
         str(store.root),
         store.layout.describe(),
-        len(store.index.list_sessions()),
+        store.index.sessions.count(),
         tiers,
         c.corrupt_blocks + totals.get("corrupt_blocks", 0),
-        len(store.blocks.l3.lost) + totals.get("lost_blocks", 0),
+        len(store.disk.lost) + totals.get("lost_blocks", 0),
         c.dropped_dirty + totals.get("dropped_dirty", 0),
         c.write_failures + totals.get("write_failures", 0),
-        store.blocks.writer.outage,
+        store.tiered.disk_writer.outage,
         store.open_seconds,
         snapshot.get("time"),
     )
@@ -135,7 +133,7 @@ def collect(store: KVStore) -> StoreStats:
 def persist(store: KVStore) -> None:
     """Save totals (and the memory tiers' last figures) into the index at close."""
     stats = collect(store)
-    owns_memory = store.blocks.l1.budget_bytes > 0 or store.blocks.l2.budget_bytes > 0
+    owns_memory = bool(store.tiered.memory_tiers)
     previous = {t["tier"]: t for t in _load_snapshot(store).get("tiers", [])}
     tiers = []
     for t in stats.tiers:

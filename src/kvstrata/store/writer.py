@@ -15,9 +15,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from kvstrata.block import KVBlock
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
+from kvstrata.store.block import KVBlock
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,10 @@ class BackgroundWriter:
     def pending(self, key: BlockKey) -> KVBlock | None:
         with self._cond:
             return self._queue.get(key) or self._inflight.get(key)
+
+    def pending_keys(self) -> list[BlockKey]:
+        with self._cond:
+            return [*self._queue, *self._inflight]
 
     def is_pending(self, key: BlockKey) -> bool:
         with self._cond:

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 import torch
 
-from kvstrata.block import KVBlock
+from kvstrata.codecs.base import CodecId
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
-from kvstrata.tiers.base import TierLevel, TierUsage
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.base import TierLevel, TierUsage
 
 
 class DeviceTier:
@@ -44,9 +45,14 @@ class DeviceTier:
         slot, num_tokens, start_pos = entry
         return KVBlock(key, num_tokens, start_pos, tensor=self._pool[slot, :, :, :, :num_tokens])
 
-    def put(self, block: KVBlock) -> bool:
+    def codec_of(self, key: BlockKey) -> int | None:
+        return int(CodecId.IDENTITY) if key in self._slots else None
+
+    def put(self, block: KVBlock, *, replace: bool = False) -> bool:
         if block.key in self._slots:
-            return True
+            if not replace:
+                return True
+            self.remove(block.key)
         if not self._free:
             return False
         tensor = block.decoded(self.layout)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import crc32c
 
-from kvstrata.block import KVBlock
 from kvstrata.codecs.base import EncodedBlock
 from kvstrata.errors import (
     CorruptBlockError,
@@ -33,9 +32,10 @@ from kvstrata.errors import (
     TierUnavailableError,
 )
 from kvstrata.keys import BlockKey, session_chain
-from kvstrata.kvbin import decode_record, encode_record
-from kvstrata.sessions import Session, validate_session_id
 from kvstrata.store import KVStore
+from kvstrata.store.block import KVBlock
+from kvstrata.store.kvbin import decode_record, encode_record
+from kvstrata.store.sessions import Session, validate_session_id
 
 MAGIC = b"\x89KVSARC\n"
 FORMAT_VERSION = 1
@@ -60,7 +60,7 @@ def export_session(store: KVStore, session: Session) -> bytes:
     keys = session.all_keys()
     records = []
     for key in keys:
-        block = store.blocks.l3.get(key)
+        block = store.disk.get(key)
         if block is None or block.encoded is None:
             raise TierUnavailableError(f"block {key.hex()[:16]} of session {session.id} is not on disk")
         records.append(encode_record(key, block.encoded, store.layout.fingerprint, start_pos=block.start_pos))
@@ -193,11 +193,17 @@ def import_session(
     new_keys, new_tail = _key_chain(store, target_ns, archived)
     # Blocks first, durably; the session is committed last, so an interrupted import leaves at
     # most unreferenced blocks (collected by gc), never a session naming a missing block.
-    for key, (_, start_pos, encoded) in zip(
-        [*new_keys, *([new_tail] if new_tail else [])], blocks, strict=True
-    ):
-        if not store.blocks.l3.put(KVBlock(key, encoded.num_tokens, start_pos, None, encoded, target_ns)):
-            raise TierUnavailableError("L3 has no room for the imported session's blocks")
+    all_keys = [*new_keys, *([new_tail] if new_tail else [])]
+    writer = store.tiered.disk_writer
+    for key, (_, start_pos, encoded) in zip(all_keys, blocks, strict=True):
+        if store.disk.contains(key):
+            continue  # stored already (perhaps exact, where the archive's copy is lossy): keep it
+        writer.submit(KVBlock(key, encoded.num_tokens, start_pos, None, encoded, target_ns))
+    writer.flush(all_keys)
+    if not all(store.disk.contains(k) for k in all_keys):
+        raise TierUnavailableError(
+            f"the imported session's blocks could not be written to L3 ({writer.outage or 'no room'})"
+        )
     session = store.create_session(
         session_id, target_ns, priority=archived.priority, ttl_s=archived.ttl_s, pinned=archived.pinned
     )

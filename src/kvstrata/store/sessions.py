@@ -3,39 +3,36 @@
 A session is a namespace, the token ids whose KV is cached, the ordered keys of its full blocks,
 and the key of its partial last block (the tail). Blocks are content-addressed and immutable,
 so a fork shares its parent's blocks by key: copy-on-write falls out of never modifying a block.
+
+Its persistent form is one :class:`~kvstrata.store.index.session_rows.SessionRow` (the index's
+``sessions`` table); the remote manifest is that same row as self-checking JSON. Both are derived
+from the row's fields, so a column added there reaches every form.
 """
 
 from __future__ import annotations
 
 import base64
-import enum
+import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import crc32c
 import numpy as np
 
 from kvstrata.errors import ConfigError, CorruptBlockError
-from kvstrata.index import SessionRow
 from kvstrata.keys import KEY_BYTES, LINEAGE_BYTES, BlockKey
+from kvstrata.priority import Priority
+from kvstrata.store.index.session_rows import COLUMNS, SessionRow
 
 MANIFEST_FORMAT = 1
-
-
-class Priority(enum.StrEnum):
-    REALTIME = "realtime"
-    INTERACTIVE = "interactive"
-    BACKGROUND = "background"
-
-    @classmethod
-    def parse(cls, value: str | Priority) -> Priority:
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(
-                f"unknown priority class {value!r}; use one of {', '.join(p.value for p in cls)}"
-            ) from None
+# Row fields a manifest does not carry: the local version counter (each store keeps its own).
+_LOCAL_ONLY = ("version", "remote_version")
+# Manifest fields that are bytes in the row: hex (short) or base64 (token ids, keys).
+_HEX = ("model_fingerprint", "tail_key", "lineage")
+_B64 = ("token_ids", "block_keys")
 
 
 def validate_session_id(session_id: str) -> str:
@@ -62,22 +59,15 @@ class SessionInfo:
     version: int
 
     @classmethod
-    def from_summary(cls, row: tuple) -> SessionInfo:  # type: ignore[type-arg]
-        ns, sid, ntok, nblocks, has_tail, prio, pinned, ttl, parent, created, last, version = row
-        return cls(
-            ns,
-            sid,
-            ntok,
-            nblocks,
-            bool(has_tail),
-            Priority.parse(prio),
-            bool(pinned),
-            ttl,
-            parent,
-            created,
-            last,
-            version,
+    def from_summary(cls, summary: Mapping[str, Any]) -> SessionInfo:
+        """From one of ``SessionTable.summaries()`` (columns by name)."""
+        values = {f.name: summary[f.name] for f in dataclasses.fields(cls)}
+        values.update(
+            priority=Priority.parse(values["priority"]),
+            pinned=bool(values["pinned"]),
+            has_tail=bool(values["has_tail"]),
         )
+        return cls(**values)
 
 
 @dataclass(slots=True)
@@ -118,26 +108,16 @@ class Session:
     def all_keys(self) -> list[BlockKey]:
         return [*self.block_keys, *([self.tail_key] if self.tail_key is not None else [])]
 
+    # -- the persistent row ----------------------------------------------------------------------
     def to_row(self) -> SessionRow:
-        return SessionRow(
-            self.namespace,
-            self.id,
-            self.model_fingerprint,
-            np.asarray(self.token_ids, dtype="<u4").tobytes(),
-            b"".join(self.block_keys),
-            self.tail_key,
-            self.num_tokens,
-            self.priority.value,
-            self.pinned,
-            self.ttl_s,
-            self.parent,
-            self.created,
-            self.last_access,
-            self.version,
-            self.remote_version,
-            self.lineage,
-            self.lineage_from,
+        values = {name: getattr(self, name) for name in COLUMNS if name != "num_tokens"}
+        values.update(
+            token_ids=np.asarray(self.token_ids, dtype="<u4").tobytes(),
+            block_keys=b"".join(self.block_keys),
+            num_tokens=self.num_tokens,
+            priority=self.priority.value,
         )
+        return SessionRow(**values)
 
     @classmethod
     def from_row(cls, row: SessionRow) -> Session:
@@ -151,50 +131,32 @@ class Session:
             or len(row.token_ids) // 4 != row.num_tokens
         ):
             raise CorruptBlockError(f"session {row.namespace}/{row.id}: index row is inconsistent")
-        keys = [BlockKey(row.block_keys[i : i + KEY_BYTES]) for i in range(0, len(row.block_keys), KEY_BYTES)]
-        tokens = np.frombuffer(row.token_ids, dtype="<u4").astype(np.int64).tolist()
-        return cls(
-            row.namespace,
-            row.id,
-            row.model_fingerprint,
-            tokens,
-            keys,
-            BlockKey(row.tail_key) if row.tail_key is not None else None,
-            Priority.parse(row.priority),
-            row.pinned,
-            row.ttl_s,
-            row.parent,
-            row.created,
-            row.last_access,
-            row.version,
-            row.num_tokens,
-            row.remote_version,
-            row.lineage,
-            row.lineage_from,
+        values = {name: getattr(row, name) for name in COLUMNS if name != "num_tokens"}
+        values.update(
+            token_ids=np.frombuffer(row.token_ids, dtype="<u4").astype(np.int64).tolist(),
+            block_keys=[
+                BlockKey(row.block_keys[i : i + KEY_BYTES]) for i in range(0, len(row.block_keys), KEY_BYTES)
+            ],
+            tail_key=BlockKey(row.tail_key) if row.tail_key is not None else None,
+            priority=Priority.parse(row.priority),
+            checkpointed_tokens=row.num_tokens,
         )
+        return cls(**values)
 
+    # -- the remote manifest ---------------------------------------------------------------------
     def to_manifest(self) -> bytes:
         """The session as a self-checking JSON document, for the shared remote tier."""
         row = self.to_row()
-        body = {
-            "format": MANIFEST_FORMAT,
-            "namespace": row.namespace,
-            "id": row.id,
-            "model_fingerprint": row.model_fingerprint.hex(),
-            "token_ids": base64.b64encode(row.token_ids).decode(),
-            "block_keys": base64.b64encode(row.block_keys).decode(),
-            "tail_key": row.tail_key.hex() if row.tail_key is not None else None,
-            "num_tokens": row.num_tokens,
-            "priority": row.priority,
-            "pinned": row.pinned,
-            "ttl_s": row.ttl_s,
-            "parent": row.parent,
-            "created": row.created,
-            "last_access": row.last_access,
-        }
-        if row.lineage is not None:  # only sessions a lossy memory mode pruned carry these
-            body["lineage"] = row.lineage.hex()
-            body["lineage_from"] = row.lineage_from
+        body: dict[str, Any] = {"format": MANIFEST_FORMAT}
+        for name in COLUMNS:
+            value = getattr(row, name)
+            if name in _LOCAL_ONLY or (name in ("lineage", "lineage_from") and row.lineage is None):
+                continue  # only sessions a lossy memory mode pruned carry a lineage
+            if value is not None and name in _HEX:
+                value = value.hex()
+            elif name in _B64:
+                value = base64.b64encode(value).decode()
+            body[name] = value
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"crc32c": crc32c.crc32c(text.encode()), "body": text}).encode()
 
@@ -208,44 +170,25 @@ class Session:
             body = json.loads(text)
             if body["format"] != MANIFEST_FORMAT:
                 raise CorruptBlockError(f"unsupported session manifest format {body['format']}")
-            row = SessionRow(
-                body["namespace"],
-                body["id"],
-                bytes.fromhex(body["model_fingerprint"]),
-                base64.b64decode(body["token_ids"]),
-                base64.b64decode(body["block_keys"]),
-                bytes.fromhex(body["tail_key"]) if body["tail_key"] is not None else None,
-                int(body["num_tokens"]),
-                body["priority"],
-                bool(body["pinned"]),
-                body["ttl_s"],
-                body["parent"],
-                float(body["created"]),
-                float(body["last_access"]),
-                0,
-                remote_version,
-                bytes.fromhex(body["lineage"]) if "lineage" in body else None,
-                int(body["lineage_from"]) if "lineage" in body else None,
-            )
+            values: dict[str, Any] = {"version": 0, "remote_version": remote_version}
+            for name in COLUMNS:
+                if name in _LOCAL_ONLY:
+                    continue
+                value = body.get(name) if name in ("lineage", "lineage_from") else body[name]
+                if value is not None and name in _HEX:
+                    value = bytes.fromhex(value)
+                elif name in _B64:
+                    value = base64.b64decode(value)
+                values[name] = value
+            row = SessionRow(**values)
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBlockError(f"malformed session manifest: {exc}") from exc
         return cls.from_row(row)
 
     def info(self) -> SessionInfo:
-        return SessionInfo(
-            self.namespace,
-            self.id,
-            self.num_tokens,
-            len(self.block_keys),
-            self.tail_key is not None,
-            self.priority,
-            self.pinned,
-            self.ttl_s,
-            self.parent,
-            self.created,
-            self.last_access,
-            self.version,
-        )
+        values = {f.name: getattr(self, f.name, None) for f in dataclasses.fields(SessionInfo)}
+        values.update(num_blocks=len(self.block_keys), has_tail=self.tail_key is not None)
+        return SessionInfo(**values)
 
     def expired(self, now: float, retention_s: float) -> bool:
         if self.pinned:

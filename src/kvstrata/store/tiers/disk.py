@@ -21,14 +21,14 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvstrata.block import KVBlock
 from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, TierUnavailableError
-from kvstrata.index import BlockRow, Index
 from kvstrata.keys import BlockKey
-from kvstrata.kvbin import HEADER_BYTES, TRAILER_BYTES, decode_record, encode_record
 from kvstrata.layout import KVLayout
-from kvstrata.tiers.base import TierLevel, TierUsage
+from kvstrata.store.block import KVBlock
+from kvstrata.store.index import BlockRow, Index
+from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, decode_record, encode_record
+from kvstrata.store.tiers.base import TierLevel, TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class DiskTier:
         # only the owner of the store may touch tmp/: a reader would delete live writes
         self.removed_temp_files = 0 if read_only else self._remove_temp_files()
         # key -> (cold, nbytes, codec, num_tokens); full rows (access times) stay in SQLite until needed
-        self._rows: dict[BlockKey, tuple[bool, int, int, int]] = index.block_placements()
+        self._rows: dict[BlockKey, tuple[bool, int, int, int]] = index.blocks.placements()
         self._used = sum(placement[1] for placement in self._rows.values())
 
     def _remove_temp_files(self) -> int:
@@ -135,7 +135,7 @@ class DiskTier:
             if not self.index.read_only:
                 self.quarantine(key, path)
             raise
-        self.index.note_access(key, time.time())
+        self.index.blocks.note_access(key, time.time())
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
     def put(self, block: KVBlock, *, replace: bool = False) -> bool:
@@ -185,7 +185,7 @@ class DiskTier:
             block.key, cold, block.num_tokens, block.start_pos, int(encoded.codec), len(record), now, now, 0
         )
         # Only now, with the file durable under its final name, does the index learn of it.
-        self.index.put_block(row)
+        self.index.blocks.put(row)
         with self._lock:
             self._rows[block.key] = (cold, row.nbytes, row.codec, row.num_tokens)
             self._used += growth
@@ -198,7 +198,7 @@ class DiskTier:
             if placement is not None:
                 self._used -= placement[1]
         if placement is not None:
-            self.index.delete_blocks([key])
+            self.index.blocks.delete([key])
 
     def remove(self, key: BlockKey) -> bool:
         cold = self.is_cold(key)
@@ -240,7 +240,7 @@ class DiskTier:
                 _drop_page_cache(fd)
             finally:
                 os.close(fd)
-        self.index.set_cold(key, cold)
+        self.index.blocks.set_cold(key, cold)
         self._rows[key] = (cold, placement[1], placement[2], placement[3])
         return True
 
@@ -263,8 +263,8 @@ class DiskTier:
 
     def rows(self) -> list[BlockRow]:
         """Full index rows (access times included) of every block, read from the index."""
-        self.index.flush_access()
-        return list(self.index.iter_blocks())
+        self.index.blocks.flush_access()
+        return list(self.index.blocks)
 
     def stored_payload_bytes(self) -> int:
         return self._used - len(self._rows) * (HEADER_BYTES + TRAILER_BYTES)
@@ -281,4 +281,4 @@ class DiskTier:
                         yield Path(entry.path), cold
 
     def close(self) -> None:
-        self.index.flush_access()
+        self.index.blocks.flush_access()

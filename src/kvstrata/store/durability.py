@@ -1,0 +1,120 @@
+"""Blocks on their way into the durable tier (L3): the bounded background writer in front of it.
+
+Every block that must survive a crash goes through one :class:`DiskWriter`: new blocks (write-
+through), demoted blocks whose only home becomes L3 (write-back), re-encodes down the codec
+ladder, and checkpoints, which wait until a session's blocks are durable. A write that fails (disk
+full, I/O error) is remembered so it can be retried once space returns; the block stays served
+from memory meanwhile. A block written to L3 then follows to the remote tier, if the remote
+mirror writes behind L3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kvstrata.config import StoreConfig
+from kvstrata.keys import BlockKey
+from kvstrata.store.block import KVBlock
+from kvstrata.store.counters import StoreCounters
+from kvstrata.store.tiers.base import Tier
+from kvstrata.store.writer import BackgroundWriter
+
+
+class DiskWriter:
+    def __init__(
+        self,
+        disk: Tier,
+        config: StoreConfig,
+        counters: StoreCounters,
+        *,
+        seal: Callable[[KVBlock], KVBlock],
+        after_write: Callable[[KVBlock], None] | None = None,
+    ) -> None:
+        """``seal``: the block carrying the namespace it is encrypted under; ``after_write``: called
+        with each block once it is durable (the remote mirror's write-behind)."""
+        self.disk = disk
+        self.counters = counters
+        self._seal = seal
+        self._after_write = after_write
+        self.failed: set[BlockKey] = set()
+        self._replace: set[BlockKey] = set()
+        self._writer = BackgroundWriter(
+            self._write,
+            max_queue_bytes=config.writer_queue_bytes,
+            bandwidth_bytes_per_s=config.writer_bandwidth_bytes_per_s,
+            on_failure=self._on_failure,
+        )
+
+    @property
+    def outage(self) -> str | None:
+        """Why writes are failing right now (None while they succeed)."""
+        return self._writer.outage
+
+    @property
+    def written_blocks(self) -> int:
+        return self._writer.written_blocks
+
+    @property
+    def written_bytes(self) -> int:
+        return self._writer.written_bytes
+
+    def submit(self, block: KVBlock, *, replace: bool = False) -> None:
+        """Queue ``block`` (already encoded for L3); waits while the queue is over its byte bound.
+        A stored copy in another codec is always replaced; ``replace`` replaces any stored copy."""
+        if replace:
+            self._replace.add(block.key)
+        self._writer.submit(block)
+
+    def pending(self, key: BlockKey) -> KVBlock | None:
+        return self._writer.pending(key)
+
+    def pending_keys(self) -> list[BlockKey]:
+        return self._writer.pending_keys()
+
+    def is_pending(self, key: BlockKey) -> bool:
+        return self._writer.is_pending(key)
+
+    def durable(self, key: BlockKey) -> bool:
+        return self.disk.contains(key)
+
+    def _write(self, block: KVBlock) -> bool:
+        block = self._seal(block)
+        current = self.disk.codec_of(block.key)
+        # a different codec is an upgrade (exact KV recomputed) or a re-encode down the ladder
+        replace = current is not None and block.encoded is not None and current != block.encoded.codec
+        replace = replace or block.key in self._replace
+        self._replace.discard(block.key)
+        ok = self.disk.put(block, replace=replace)
+        self.failed.discard(block.key)
+        if self._after_write is not None:
+            self._after_write(block)
+        return ok
+
+    def _on_failure(self, block: KVBlock, error: Exception) -> None:
+        self.counters.write_failures += 1
+        self.failed.add(block.key)
+
+    def make_durable(
+        self,
+        keys: Iterable[BlockKey],
+        source: Callable[[BlockKey], KVBlock | None],
+        timeout: float | None = None,
+    ) -> list[BlockKey]:
+        """Write ``keys`` to L3 and wait; ``source(key)`` gives a block from memory (encoded for
+        L3). The keys that could not be made durable (not found anywhere, or L3 failing) are
+        returned."""
+        wanted = [k for k in dict.fromkeys(keys) if not self.disk.contains(k)]
+        for key in wanted:
+            if self._writer.is_pending(key):
+                continue
+            block = source(key)
+            if block is not None:
+                self._writer.submit(block)
+        self._writer.flush(wanted, timeout)
+        return [k for k in wanted if not self.disk.contains(k)]
+
+    def flush(self, keys: Iterable[BlockKey] | None = None, timeout: float | None = None) -> bool:
+        return self._writer.flush(keys, timeout)
+
+    def close(self) -> None:
+        self._writer.close(flush=True)

@@ -1,0 +1,421 @@
+"""KVStore: what a user opens. Sessions over the tiered, content-addressed block store.
+
+A store directory holds ``index.sqlite`` (blocks and sessions), ``hot/`` and ``cold/`` block
+files, ``tmp/`` (writes in progress) and ``quarantine/`` (files that failed verification).
+One store serves one KV layout; block keys also carry the model's weight fingerprint and the
+namespace, so blocks are shared only where they are interchangeable.
+
+This class is the store's one public surface: the engine, the server, the statistics and the vLLM
+connector use its methods, never the placement or the tiers behind it. Opening builds the tiers
+(:func:`build_tiers`) and hands them to the placement (:class:`~kvstrata.store.placement.TieredStore`);
+reading and writing a session's KV is :class:`~kvstrata.store.session_io.SessionIO`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from kvstrata.config import StoreConfig, default_store_dir
+from kvstrata.crypto import Keyring
+from kvstrata.errors import (
+    ConfigError,
+    CorruptBlockError,
+    KVStrataError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StoreBusyError,
+    StoreFormatError,
+)
+from kvstrata.keys import BlockKey, chain_key, root_key
+from kvstrata.layout import KVLayout
+from kvstrata.priority import Priority
+from kvstrata.store.block import KVBlock
+from kvstrata.store.counters import StoreCounters
+from kvstrata.store.index import Index
+from kvstrata.store.placement import TieredStore
+from kvstrata.store.session_io import LoadedKV, SessionIO
+from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
+from kvstrata.store.stats import StoreStats
+from kvstrata.store.tiers.base import Tier, TierLevel, TierUsage
+from kvstrata.store.tiers.device import DeviceTier
+from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.store.tiers.host import HostTier
+from kvstrata.store.tiers.remote import RedisTier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "default"
+
+__all__ = ["DEFAULT_NAMESPACE", "KVStore", "LoadedKV", "build_tiers"]
+
+
+def build_tiers(
+    root: Path, layout: KVLayout, index: Index, config: StoreConfig, *, read_only: bool = False
+) -> tuple[list[Tier], DiskTier, RedisTier | None]:
+    """The tiers ``config`` asks for: L1 on ``config.device`` and the L2 arena (empty when their
+    budget is 0), L3 in ``root``, and L4 on Redis for a writable store with a remote tier."""
+    keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
+    memory: list[Tier] = [
+        DeviceTier(layout, config.l1_budget_bytes, config.device),
+        HostTier(layout, config.l2_budget_bytes, pin_memory=config.pin_host_memory),
+    ]
+    disk = DiskTier(root, layout, index, config.l3_budget_bytes, read_only=read_only, keyring=keyring)
+    remote = (
+        RedisTier(config.remote, layout, keyring) if config.remote is not None and not read_only else None
+    )
+    return memory, disk, remote
+
+
+class KVStore(SessionIO):
+    def __init__(
+        self,
+        root: Path | str | None = None,
+        layout: KVLayout | None = None,
+        *,
+        model_fingerprint: bytes = b"",
+        config: StoreConfig | None = None,
+        read_only: bool = False,
+    ) -> None:
+        """Open (or create) the store at ``root``.
+
+        A writable store is owned by one process at a time (an exclusive lock on ``owner.lock``,
+        released by the kernel even on ``kill -9``); a second writer gets ``StoreBusyError``.
+        ``read_only=True`` takes no lock, never writes and never cleans up, so it is safe to
+        inspect a store another process is using.
+        """
+        started = time.perf_counter()
+        self.root = Path(root) if root is not None else default_store_dir()
+        self.read_only = read_only
+        if read_only and not (self.root / "index.sqlite").exists():
+            raise StoreFormatError(f"no kvstrata store at {self.root}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._owner_lock = None if read_only else _acquire_owner_lock(self.root)
+        try:
+            self.config = config or StoreConfig()
+            self.index = Index(self.root / "index.sqlite", layout, read_only=read_only)
+            self.layout = self.index.layout
+            self.model_fingerprint = model_fingerprint
+            memory, disk, remote = build_tiers(
+                self.root, self.layout, self.index, self.config, read_only=read_only
+            )
+            self.disk = disk
+            self.tiered = TieredStore(
+                self.layout,
+                self.config,
+                memory_tiers=memory,
+                disk=disk,
+                remote=remote,
+                encrypted=self.config.encryption_key is not None,
+            )
+        except BaseException:
+            self._release_owner_lock()
+            raise
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self.checkpoints = 0
+        self.checkpoint_seconds = 0.0
+        self.open_seconds = time.perf_counter() - started
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise KVStrataError(f"store {self.root} was opened read-only")
+
+    def _release_owner_lock(self) -> None:
+        if self._owner_lock is not None:
+            os.close(self._owner_lock)  # closing the descriptor releases the flock
+            self._owner_lock = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        from kvstrata.store import stats
+
+        if self.index.closed:
+            return
+        self.tiered.close()
+        if not self.read_only:
+            stats.persist(self)
+        self.index.close()
+        self._release_owner_lock()
+
+    def stats(self) -> StoreStats:
+        from kvstrata.store import stats
+
+        return stats.collect(self)
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def flush(self) -> None:
+        """Wait until queued demotions, re-encodes and writes reached L3."""
+        self.tiered.flush()
+        self.index.blocks.flush_access()
+
+    # -- keys ------------------------------------------------------------------------------------
+    def root_key(self, namespace: str) -> BlockKey:
+        return root_key(self.model_fingerprint, self.layout, namespace)
+
+    def block_key_chain(self, namespace: str, token_ids: Sequence[int]) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids`` in ``namespace``."""
+        bt = self.layout.block_tokens
+        parent = self.root_key(namespace)
+        keys = []
+        for start in range(0, len(token_ids) - bt + 1, bt):
+            parent = chain_key(parent, token_ids[start : start + bt])
+            keys.append(parent)
+        return keys
+
+    def match_prefix(self, namespace: str, token_ids: Sequence[int]) -> list[BlockKey]:
+        """The longest run of full blocks of ``token_ids`` that the store holds in any tier."""
+        found = []
+        for key in self.block_key_chain(namespace, token_ids):
+            if not self.tiered.contains(key):
+                break
+            found.append(key)
+        return found
+
+    # -- blocks: what the engine, the server and the connector may ask -------------------------
+    @property
+    def counters(self) -> StoreCounters:
+        """Hits, misses and moves per tier, and error counts, since this process opened the store."""
+        return self.tiered.counters
+
+    @property
+    def has_remote(self) -> bool:
+        return self.tiered.remote is not None
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.tiered.contains(key)
+
+    def where(self, key: BlockKey) -> TierLevel | None:
+        """The highest tier holding ``key`` (None: no tier does)."""
+        return self.tiered.where(key)
+
+    def put_block(
+        self, block: KVBlock, *, priority: Priority | str | None = None, namespace: str | None = None
+    ) -> None:
+        """Store one block computed elsewhere (the vLLM connector's saves); deduplicated by key."""
+        self._writable()
+        self.layout.check_block(block.decoded(self.layout), block.num_tokens)
+        self.tiered.put(
+            block, priority=Priority.parse(priority) if priority is not None else None, namespace=namespace
+        )
+
+    def get_block(self, key: BlockKey) -> KVBlock | None:
+        """One block from whichever tier holds it (verified), or None."""
+        return self.tiered.get(key)
+
+    def lookup(
+        self, key: BlockKey, *, priority: Priority | str | None = None, scheduled: bool = True
+    ) -> tuple[KVBlock, TierLevel] | None:
+        """``key`` and the tier it was found in, promoted towards device memory; a copy lossier
+        than ``priority``'s class accepts counts as missing. ``scheduled=False`` (a hint, not a
+        running request) does not promote blocks still in their dwell time after a demotion."""
+        prio = Priority.parse(priority) if priority is not None else None
+        max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
+        return self.tiered.lookup(key, priority=prio, max_loss=max_loss, scheduled=scheduled)
+
+    def tier_usage(self) -> dict[TierLevel, TierUsage]:
+        """Blocks and bytes each local tier holds now."""
+        return {tier.level: tier.usage() for tier in self.tiered.tiers}
+
+    def prefetch_remote(self, keys: Sequence[BlockKey]) -> int:
+        """Fetch the blocks of ``keys`` no local tier holds from L4 in one pipelined round trip."""
+        return self.tiered.prefetch_remote(keys)
+
+    @contextlib.contextmanager
+    def hold(self, keys: Iterable[BlockKey]) -> Iterator[None]:
+        """Keep ``keys`` in their tiers (never demoted) while the caller uses them."""
+        with self.tiered.stats.hold(keys):
+            yield
+
+    def demote_from_l1(self, keys: Iterable[BlockKey]) -> None:
+        """Move ``keys`` out of device memory in the background (sessions no longer resident)."""
+        self.tiered.demote_from_l1(keys)
+
+    def wait_demotions(self) -> None:
+        """Wait until background demotions are done (tests and benchmarks)."""
+        self.tiered.wait_demotions()
+
+    def set_next_use(self, keys: Iterable[BlockKey], seconds: float) -> None:
+        """Expected seconds until ``keys`` are used again (a session's request rate, a hint)."""
+        self.tiered.stats.set_next_use(keys, seconds)
+
+    def protect(self, keys: Iterable[BlockKey]) -> None:
+        """Demote ``keys`` only after every unprotected block (a system prompt's blocks)."""
+        self.tiered.stats.protect(keys)
+
+    def is_protected(self, key: BlockKey) -> bool:
+        return self.tiered.stats.protected(key)
+
+    def add_importance(self, scores: Iterable[tuple[BlockKey, float]]) -> None:
+        """Credit blocks with the attention mass they received (kept longer by the cost scorer)."""
+        self.tiered.stats.add_importance(scores)
+
+    def importance(self, key: BlockKey) -> float:
+        return self.tiered.stats.importance(key)
+
+    def persist_memory(self) -> list[BlockKey]:
+        """Write every block held only in memory to L3 (a clean stop in write-back mode); the keys
+        that could not be written are returned."""
+        return self.tiered.persist_memory()
+
+    def retry_failed_writes(self) -> int:
+        """Re-queue blocks whose L3 write failed (once disk space is back); how many succeeded."""
+        return self.tiered.retry_failed_writes()
+
+    # -- sessions --------------------------------------------------------------------------------
+    def create_session(
+        self,
+        session_id: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        priority: Priority | str = Priority.INTERACTIVE,
+        ttl_s: float | None = None,
+        pinned: bool = False,
+        exist_ok: bool = False,
+    ) -> Session:
+        self._writable()
+        validate_session_id(session_id)
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError("ttl_s must be positive")
+        existing = self._find(namespace, session_id)
+        if existing is not None:
+            if exist_ok:
+                return existing
+            raise SessionExistsError(f"session {namespace}/{session_id} already exists")
+        session = Session(
+            namespace,
+            session_id,
+            self.model_fingerprint,
+            priority=Priority.parse(priority),
+            ttl_s=ttl_s,
+            pinned=pinned,
+        )
+        self._sessions[(namespace, session_id)] = session
+        self._commit(session)
+        return session
+
+    def _find(self, namespace: str, session_id: str) -> Session | None:
+        session = self._sessions.get((namespace, session_id))
+        if session is None:
+            row = self.index.sessions.get(namespace, session_id)
+            session = Session.from_row(row) if row is not None else None
+            remote = self._fetch_remote(namespace, session_id)
+            # another engine continued the session since this one last saw it: take its version
+            if remote is not None and (session is None or remote.remote_version > session.remote_version):
+                remote.checkpointed_tokens = remote.num_tokens
+                session = remote
+                if not self.read_only:
+                    self._commit(session)
+            if session is None:
+                return None
+            self._sessions[(namespace, session_id)] = session
+        return session
+
+    def _fetch_remote(self, namespace: str, session_id: str) -> Session | None:
+        remote = self.tiered.remote
+        found = remote.fetch_manifest(namespace, session_id) if remote is not None else None
+        if found is None:
+            return None
+        try:
+            session = Session.from_manifest(found[1], found[0])
+        except CorruptBlockError as exc:
+            self.counters.remote_errors += 1
+            log.warning("remote manifest of %s/%s not used: %s", namespace, session_id, exc)
+            return None
+        if session.model_fingerprint != self.model_fingerprint:
+            log.warning("remote manifest of %s/%s is for other weights; ignored", namespace, session_id)
+            return None
+        return session
+
+    def session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Session:
+        session = self._find(namespace, session_id)
+        if session is None:
+            raise SessionNotFoundError(f"no session {session_id!r} in namespace {namespace!r}")
+        return session
+
+    def list_sessions(self, namespace: str | None = None) -> list[SessionInfo]:
+        """Every session (live state where open in this process, else as last checkpointed)."""
+        out = []
+        for summary in self.index.sessions.summaries(namespace):
+            live = self._sessions.get((summary["namespace"], summary["id"]))
+            out.append(live.info() if live is not None else SessionInfo.from_summary(summary))
+        return out
+
+    def session_keys(
+        self, session_id: str, namespace: str = DEFAULT_NAMESPACE
+    ) -> tuple[list[BlockKey], Priority] | None:
+        """A session's block keys and class, read without opening it (safe from other threads)."""
+        live = self._sessions.get((namespace, session_id))
+        if live is not None:
+            return live.all_keys(), live.priority
+        row = self.index.sessions.get(namespace, session_id)
+        if row is None:
+            return None
+        session = Session.from_row(row)
+        return session.all_keys(), session.priority
+
+    def live_sessions(self) -> list[Session]:
+        """Sessions opened in this process (they may hold blocks newer than their checkpoint)."""
+        return list(self._sessions.values())
+
+    def delete_session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
+        self._writable()
+        session = self._sessions.pop((namespace, session_id), None)
+        window = self.config.ladder.recent_blocks
+        if session is not None and window:
+            # its recent blocks would otherwise stay exact (and demoted last) for good: a deleted
+            # session never appends again to push them out of its window
+            live = {k for s in self._sessions.values() for k in s.block_keys[-window:]}
+            self.tiered.age_out(k for k in session.block_keys[-window:] if k not in live)
+        if self.tiered.remote is not None:
+            self.tiered.remote.delete_manifest(namespace, session_id)
+        return self.index.sessions.delete(namespace, session_id)
+
+    def fork(self, session: Session, child_id: str) -> Session:
+        """A new session sharing ``session``'s blocks (they are immutable: copy-on-write)."""
+        self._writable()
+        validate_session_id(child_id)
+        if self._find(session.namespace, child_id) is not None:
+            raise SessionExistsError(f"session {session.namespace}/{child_id} already exists")
+        child = Session(
+            session.namespace,
+            child_id,
+            session.model_fingerprint,
+            list(session.token_ids),
+            list(session.block_keys),
+            session.tail_key,
+            session.priority,
+            False,
+            session.ttl_s,
+            parent=session.id,
+            lineage=session.lineage,
+            lineage_from=session.lineage_from,
+        )
+        self._sessions[(child.namespace, child.id)] = child
+        self.checkpoint(child)
+        return child
+
+
+def _acquire_owner_lock(root: Path) -> int:
+    fd = os.open(root / "owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreBusyError(
+            f"store {root} is open for writing in another process (pid {holder}); stop it, or use a "
+            "read-only command (store stats, sessions list/show)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

@@ -1,0 +1,277 @@
+"""Reading and writing a session's KV: cutting it into blocks, restoring it, checkpointing it.
+
+A mixin of :class:`~kvstrata.store.kvstore.KVStore` (the one public surface); it works on the
+store's placement (``self.tiered``) and index through the same attributes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstrata.config import StoreConfig
+from kvstrata.errors import ConfigError, TierUnavailableError
+from kvstrata.keys import BlockKey, block_parent, chain_key
+from kvstrata.layout import KVLayout
+from kvstrata.priority import Priority
+from kvstrata.store.block import KVBlock
+from kvstrata.store.sessions import Session
+from kvstrata.store.tiers.base import TierLevel
+
+if TYPE_CHECKING:
+    from kvstrata.store.index import Index
+    from kvstrata.store.placement import TieredStore
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedKV:
+    """KV of a session's first ``num_tokens`` tokens, and which tier served each block."""
+
+    kv: torch.Tensor | None
+    num_tokens: int
+    tokens_by_tier: dict[TierLevel, int]
+    missing_from_token: int | None
+    buffer: torch.Tensor | None = None
+    """The ``(2, L, H, capacity, D)`` tensor ``kv`` is the first ``num_tokens`` tokens of (room
+    for the tokens to come, so that a cache can adopt it instead of copying the KV again)."""
+
+
+class SessionIO:
+    layout: KVLayout
+    config: StoreConfig
+    index: Index
+    tiered: TieredStore
+    checkpoints: int
+    checkpoint_seconds: float
+
+    if TYPE_CHECKING:  # provided by KVStore
+
+        def _writable(self) -> None: ...
+
+        def root_key(self, namespace: str) -> BlockKey: ...
+
+    # -- writing KV ------------------------------------------------------------------------------
+    def append(self, session: Session, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Add the KV of ``token_ids`` (shape ``(2, L, H, len(token_ids), D)``) to ``session``.
+
+        Full blocks are cut, keyed by their chained content hash and stored (once per namespace,
+        whoever wrote them first); the remainder becomes the session's tail block. A checkpoint
+        is taken every ``checkpoint_every_tokens`` tokens.
+        """
+        self._writable()
+        new_tokens = [int(t) for t in token_ids]
+        if kv.dim() != 5 or kv.shape[3] != len(new_tokens):
+            raise ConfigError(f"kv must have shape (2, L, H, {len(new_tokens)}, D), got {tuple(kv.shape)}")
+        if not new_tokens:
+            return
+        bt = self.layout.block_tokens
+        tail_tokens = session.tail_tokens(bt)
+        if tail_tokens:
+            tail_kv = self._read_tail(session)
+            kv = torch.cat([tail_kv, kv.to(tail_kv.device)], dim=3)
+        pending_tokens = tail_tokens + new_tokens
+        old_full = len(session.block_keys)
+        new_full = old_full + len(pending_tokens) // bt
+        window_start = new_full - self.config.ladder.recent_blocks  # full blocks from here stay exact
+        start_pos = old_full * bt
+        parent = session.block_keys[-1] if session.block_keys else self.root_key(session.namespace)
+        offset = 0
+        lineage, lineage_from = session.lineage, session.lineage_from
+        while len(pending_tokens) - offset >= bt:
+            chunk = pending_tokens[offset : offset + bt]
+            parent = chain_key(block_parent(parent, start_pos + offset, bt, lineage, lineage_from), chunk)
+            recent = len(session.block_keys) >= window_start
+            self._put_block(parent, start_pos + offset, kv[:, :, :, offset : offset + bt], session, recent)
+            session.block_keys.append(parent)
+            offset += bt
+        rest = pending_tokens[offset:]
+        session.tail_key = None
+        if rest:
+            parent = block_parent(parent, start_pos + offset, len(rest), lineage, lineage_from)
+            session.tail_key = chain_key(parent, rest)
+            self._put_block(session.tail_key, start_pos + offset, kv[:, :, :, offset:], session, True)
+        # blocks this append pushed out of the recent window go down the ladder, in the background
+        self.tiered.age_out(
+            session.block_keys[
+                max(0, old_full - self.config.ladder.recent_blocks) : min(old_full, window_start)
+            ]
+        )
+        session.token_ids.extend(new_tokens)
+        session.last_access = time.time()
+        if session.num_tokens - session.checkpointed_tokens >= self.config.checkpoint_every_tokens:
+            self.checkpoint(session)
+
+    def _put_block(
+        self, key: BlockKey, start_pos: int, kv: torch.Tensor, session: Session, recent: bool
+    ) -> None:
+        tensor = kv.detach().to(self.layout.torch_dtype).contiguous()
+        self.layout.check_block(tensor)
+        self.tiered.put(
+            KVBlock(key, int(tensor.shape[3]), start_pos, tensor, namespace=session.namespace),
+            priority=session.priority,
+            recent=recent,
+        )
+
+    def _read_tail(self, session: Session) -> torch.Tensor:
+        assert session.tail_key is not None
+        block = self.tiered.get(session.tail_key)
+        if block is None:
+            raise TierUnavailableError(
+                f"tail block of session {session.id} is lost; truncate it and re-prefill"
+            )
+        return block.decoded(self.layout).clone()
+
+    def truncate(self, session: Session, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens (for an edited history)."""
+        self._writable()
+        if not 0 <= num_tokens <= session.num_tokens:
+            raise ConfigError(f"cannot truncate {session.num_tokens} tokens to {num_tokens}")
+        if num_tokens == session.num_tokens:
+            return
+        bt = self.layout.block_tokens
+        full = num_tokens // bt
+        keep_tokens = session.token_ids[:num_tokens]
+        partial_kv = None
+        if num_tokens % bt:
+            loaded = self.load(session, num_tokens)
+            if loaded.kv is None or loaded.num_tokens < num_tokens:
+                raise TierUnavailableError(f"session {session.id}: blocks before token {num_tokens} are lost")
+            partial_kv = loaded.kv[:, :, :, full * bt : num_tokens].clone()
+        session.block_keys = session.block_keys[:full]
+        session.token_ids = keep_tokens[: full * bt]
+        session.tail_key = None
+        if session.lineage_from is not None and session.lineage_from >= num_tokens:
+            session.lineage = session.lineage_from = None  # what is left was all computed exactly
+        if partial_kv is not None:
+            self.append(session, keep_tokens[full * bt :], partial_kv)
+
+    # -- reading KV ------------------------------------------------------------------------------
+    def load(
+        self,
+        session: Session,
+        num_tokens: int | None = None,
+        *,
+        capacity: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> LoadedKV:
+        """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor.
+
+        Stops at the first block no tier can serve (lost, corrupt); ``missing_from_token`` then
+        says where, and the caller recomputes from there. ``capacity``: tokens to make room for
+        in the returned ``buffer`` (the prompt and the answer to come).
+        """
+        want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
+        session.last_access = time.time()
+        return self.load_blocks(
+            session.all_keys(),
+            want,
+            full_blocks=len(session.block_keys),
+            priority=session.priority,
+            capacity=capacity,
+            out=out,
+        )
+
+    def load_blocks(
+        self,
+        keys: Sequence[BlockKey],
+        num_tokens: int | None = None,
+        *,
+        full_blocks: int | None = None,
+        priority: Priority | str | None = None,
+        capacity: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> LoadedKV:
+        """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
+        tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks.
+        With ``priority``, blocks stored lossier than that class accepts count as missing.
+
+        Each block is copied once, straight into one preallocated tensor of ``capacity`` tokens
+        (at least ``num_tokens``): ``LoadedKV.buffer``, which ``KVStrataCache`` adopts as is.
+        ``out``: a buffer to reuse for it (a finished request's, already paged in: writing into
+        fresh memory costs page faults), used when its shape, dtype and room fit."""
+        prio = Priority.parse(priority) if priority is not None else None
+        max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
+        bt = self.layout.block_tokens
+        full = len(keys) if full_blocks is None else full_blocks
+        want = len(keys) * bt if num_tokens is None else num_tokens
+        by_tier: dict[TierLevel, int] = {}
+        got = 0
+        buffer: torch.Tensor | None = None
+        with self.tiered.stats.hold(keys):
+            for i, key in enumerate(keys):
+                if got >= want:
+                    break
+                found = self.tiered.lookup(key, priority=prio, max_loss=max_loss)
+                if found is None:
+                    break
+                block, level = found
+                tensor = block.decoded(self.layout)
+                if i < full and tensor.shape[3] != bt:
+                    break
+                take = min(tensor.shape[3], want - got)
+                if buffer is None:
+                    shape = self.layout.block_shape(max(want, capacity or 0))
+                    if (
+                        out is not None
+                        and out.shape[:3] == shape[:3]
+                        and out.shape[4] == shape[4]
+                        and out.shape[3] >= shape[3]
+                        and out.dtype == tensor.dtype
+                        and out.device == tensor.device
+                    ):
+                        buffer = out
+                    else:
+                        buffer = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+                # copies out of the pool while the blocks are held
+                buffer[:, :, :, got : got + take].copy_(tensor[:, :, :, :take])
+                by_tier[level] = by_tier.get(level, 0) + take
+                got += take
+        kv = buffer[:, :, :, :got] if buffer is not None else None
+        return LoadedKV(kv, got, by_tier, None if got >= want else got, buffer)
+
+    # -- durability ------------------------------------------------------------------------------
+    def checkpoint(self, session: Session) -> None:
+        """Make the session's blocks durable in L3, then commit its index row (in that order, so
+        a committed session never names a block that is not on disk)."""
+        self._writable()
+        started = time.perf_counter()
+        try:
+            self._checkpoint(session)
+        finally:
+            self.checkpoints += 1
+            self.checkpoint_seconds += time.perf_counter() - started
+
+    def _checkpoint(self, session: Session) -> None:
+        missing = self.tiered.make_durable(session.all_keys())
+        if missing:
+            raise TierUnavailableError(
+                f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not be "
+                f"written to L3 ({self.tiered.disk_writer.outage or 'not found in any tier'}); the previous "
+                "checkpoint stays valid"
+            )
+        session.version += 1
+        self._commit(session)
+        session.checkpointed_tokens = session.num_tokens
+        self._publish(session)
+
+    def _publish(self, session: Session) -> None:
+        """Share the checkpoint through the remote tier: blocks first, then the manifest by
+        compare-and-set. A remote outage only skips this; a conflict raises (the local
+        checkpoint above is kept, so nothing is lost: fork it to keep both histories)."""
+        remote = self.tiered.remote
+        if remote is None or not self.tiered.publish_remote(session.all_keys()):
+            return
+        version = remote.publish_manifest(
+            session.namespace, session.id, session.to_manifest(), session.remote_version
+        )
+        if version is None:
+            return
+        session.remote_version = version
+        self._commit(session)
+
+    def _commit(self, session: Session) -> None:
+        self.index.sessions.put(session.to_row())
