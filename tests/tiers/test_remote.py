@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from kvstrata import ConfigError, CorruptBlockError, SessionConflictError, TierUnavailableError
-from kvstrata.tiers.remote import RedisTier, RemoteConfig, cluster_seeds
+from kvstrata.tiers.remote import RedisTier, RemoteConfig, cluster_seeds, redact_url
 
 from conftest import LAYOUT, make_block
 from redis_servers import RedisServer, free_port
@@ -123,7 +123,7 @@ def test_a_cluster_with_every_seed_down_is_a_miss_not_an_error(tmp_path: Path) -
     tier.close()
 
 
-def test_cluster_seed_urls() -> None:
+def test_cluster_seed_urls_and_redacted_passwords() -> None:
     assert cluster_seeds("redis://h1:7000,h2:7001,[::1]:7002/0") == [
         ("h1", 7000),
         ("h2", 7001),
@@ -136,6 +136,15 @@ def test_cluster_seed_urls() -> None:
         RemoteConfig("redis://h1:7000,h2:port", cluster=True)
     with pytest.raises(ConfigError, match="must be positive"):
         RemoteConfig("redis://h1:7000", reset_after_s=0)
+    assert redact_url("rediss://app:secret@h1:7000,h2:7000/0") == "rediss://app:***@h1:7000,h2:7000/0"
+    tier = _tier("redis://:secret@127.0.0.1:1")  # nothing listens on port 1
+    for _ in range(3):
+        with pytest.raises(TierUnavailableError):
+            tier.get(make_block(LAYOUT, 7).key)
+    with pytest.raises(TierUnavailableError, match="circuit open") as refused:
+        tier.get(make_block(LAYOUT, 7).key)
+    assert "secret" not in str(refused.value) and ":***@127.0.0.1:1" in str(refused.value)
+    tier.close()
 
 
 def test_hung_redis_times_out(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvstrata.block import KVBlock
@@ -92,6 +92,13 @@ class RemoteConfig:
             )
         if self.cluster and self.url.startswith("unix://"):
             raise ConfigError("a Redis Cluster cannot be reached over a unix:// socket")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (it ends up in logs and error messages)."""
+    scheme, userinfo, hosts, tail = _split_url(url)
+    user, colon, _ = userinfo.rstrip("@").partition(":")
+    return f"{scheme}://{user}{colon and ':***'}{'@' if userinfo else ''}{','.join(hosts)}{tail}"
 
 
 def _split_url(url: str) -> tuple[str, str, list[str], str]:
@@ -156,16 +163,17 @@ class CircuitBreaker:
             self.failures = 0
             self.opened_at = None
 
-    def failure(self) -> None:
+    def failure(self, *, trip: bool = False) -> None:
+        """One more failed call; ``trip``: open now (the remote said itself that it is down)."""
         with self._lock:
             self.failures += 1
-            if self.opened_at is None and self.failures >= self.failures_to_open:
+            if self.opened_at is None and (trip or self.failures >= self.failures_to_open):
                 self.opened_at = time.monotonic()
                 self.trips += 1
                 # started (and cleared) under the lock: a breaker that is open always has a prober
                 if self._probe is not None and self._prober is None and not self._stop.is_set():
                     self._prober = threading.Thread(
-                        target=self._probe_loop, name=f"kvstrata-{self.name}-probe", daemon=True
+                        target=self._probe_loop, name="kvstrata-remote-probe", daemon=True
                     )
                     self._prober.start()
 
@@ -209,10 +217,12 @@ class RedisTier:
 
     def __init__(self, config: RemoteConfig, layout: KVLayout, keyring: Keyring | None = None) -> None:
         self.config = config
+        self.where = redact_url(config.url)
+        """The URL without its password, for messages and logs."""
         self.keyring = keyring
         self.layout = layout
         self.breaker = CircuitBreaker(
-            config.failures_to_open, config.reset_after_s, self._probe, name=f"remote tier {config.url}"
+            config.failures_to_open, config.reset_after_s, self._probe, name=f"remote tier {self.where}"
         )
         self._block_prefix = f"{config.prefix}:b:{layout.fingerprint.hex()}:"
         self._session_prefix = f"{config.prefix}:s:{layout.fingerprint.hex()}:"
@@ -255,23 +265,28 @@ class RedisTier:
 
     def _probe(self) -> None:
         """Succeeds when Redis answers again: a PING; on a cluster, a fresh slot map read from
-        any live node, then a PING of every master it names (so after a failover the breaker
-        closes once the promoted replicas are known and reachable)."""
+        any live node, then every master it names must answer and report ``cluster_state:ok``
+        (so after a failover the breaker closes once the promoted replicas are known and serve,
+        and a cluster that still refuses queries does not make it flap)."""
         client = self._connect()
         if isinstance(client, redis.cluster.RedisCluster):
             client.nodes_manager.initialize()
             for node in client.get_primaries():
-                client.get_redis_connection(node).ping()
+                state = client.get_redis_connection(node).cluster("info").get("cluster_state")
+                if state != "ok":
+                    raise TierUnavailableError(f"cluster node {node.name} reports cluster_state:{state}")
         else:
             client.ping()
 
     def _call(self, what: str, fn: Callable[[Client], T]) -> T:
         if not self.breaker.allow():
-            raise TierUnavailableError(f"remote tier {self.config.url} is unavailable (circuit open)")
+            raise TierUnavailableError(f"remote tier {self.where} is unavailable (circuit open)")
         try:
             result = fn(self._connect())
         except _REMOTE_ERRORS as exc:
-            self.breaker.failure()
+            # CLUSTERDOWN: the cluster refuses every query until a failover ends, and redis-py
+            # waits 0.25 s before raising it: open at once rather than after more slow calls
+            self.breaker.failure(trip=isinstance(exc, ClusterDownError))
             raise TierUnavailableError(f"remote tier {what} failed: {exc}") from exc
         self.breaker.success()
         return result
