@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -77,8 +78,11 @@ def test_redis_down_never_fails_a_request(open_store: Factory, tmp_path: Path) -
     with pytest.raises(SessionNotFoundError):
         other.session("agent")  # not reachable: a clean miss, not a crash
     server.start()
-    import time
-
-    time.sleep(0.4)  # past the breaker's reset
+    l4 = engine.tiered.remote.tier
+    assert l4 is not None
+    deadline = time.monotonic() + 10
+    while l4.breaker.open:  # a background probe closes it once Redis answers
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     engine.checkpoint(session)  # publishing resumes
     assert engine.session("agent").remote_version >= 1

@@ -1,7 +1,9 @@
-"""The Redis tier beyond conformance: batching, corruption, manifests, and faults (real servers)."""
+"""The Redis tier beyond conformance: batching, corruption, manifests, faults and the circuit
+breaker's probe (real servers)."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -9,11 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstrata import CorruptBlockError, SessionConflictError, TierUnavailableError
-from kvstrata.store.tiers.remote import RedisTier, RemoteConfig
+from kvstrata import ConfigError, CorruptBlockError, SessionConflictError, TierUnavailableError
+from kvstrata.store.tiers.remote import RedisTier, RemoteConfig, cluster_seeds, redact_url
 
 from conftest import LAYOUT, make_block
-from redis_servers import RedisServer
+from redis_servers import RedisServer, free_port
 
 
 def _tier(url: str, **options: object) -> RedisTier:
@@ -63,9 +65,17 @@ def test_manifest_compare_and_set(redis_server: RedisServer) -> None:
     assert engine_a.fetch_manifest("ns", "s") == (2, b"v2 from B")  # nothing was overwritten
 
 
-def test_down_redis_fails_fast_and_the_breaker_opens(tmp_path: Path) -> None:
+def _wait_closed(tier: RedisTier, timeout_s: float = 10.0) -> None:
+    """Wait for the breaker's background probe to close it (no call from the test does)."""
+    deadline = time.monotonic() + timeout_s
+    while tier.breaker.open:
+        assert time.monotonic() < deadline, "the breaker never closed"
+        time.sleep(0.02)
+
+
+def test_down_redis_fails_fast_and_a_probe_closes_the_breaker(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "r")
-    tier = _tier(server.url, timeout_s=0.2, failures_to_open=2, reset_after_s=0.5)
+    tier = _tier(server.url, timeout_s=0.2, failures_to_open=2, reset_after_s=0.1)
     block = make_block(LAYOUT, 3)
     tier.put(block)
     server.stop()
@@ -78,17 +88,68 @@ def test_down_redis_fails_fast_and_the_breaker_opens(tmp_path: Path) -> None:
         with pytest.raises(TierUnavailableError, match="circuit open"):
             tier.get(block.key)
     assert time.monotonic() - started < 1.0  # refused without touching the network
+    assert tier.breaker.refused == 100
+    while tier.breaker.probes < 3:  # probes of a dead server fail and keep it open
+        time.sleep(0.02)
+    assert tier.breaker.open
     server.start()  # same port, empty (no persistence)
-    time.sleep(0.6)  # past reset_after_s: the next call is a trial
-    assert tier.get(block.key) is None and not tier.breaker.open
+    _wait_closed(tier)  # closed by a probe, without any request paying for the trial
+    assert tier.get(block.key) is None
     tier.put(block)
     assert tier.get(block.key) is not None
+    tier.close()
     server.stop()
+
+
+def test_closing_the_tier_stops_its_probe(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "r")
+    server.stop()
+    tier = _tier(server.url, timeout_s=0.2, failures_to_open=1, reset_after_s=0.05)
+    with pytest.raises(TierUnavailableError):
+        tier.get(make_block(LAYOUT, 5).key)
+    assert any(t.name.endswith("-probe") for t in threading.enumerate())
+    tier.close()
+    assert not any(t.name.endswith("-probe") for t in threading.enumerate())
+
+
+def test_a_cluster_with_every_seed_down_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    ports = [free_port(), free_port()]
+    # a cluster client reads the slot map when it is made: lazily, so the store still opens
+    tier = _tier(f"redis://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", cluster=True, failures_to_open=2)
+    for _ in range(2):
+        with pytest.raises(TierUnavailableError, match="cannot be connected"):
+            tier.get(make_block(LAYOUT, 6).key)
+    assert tier.breaker.open
+    tier.close()
+
+
+def test_cluster_seed_urls_and_redacted_passwords() -> None:
+    assert cluster_seeds("redis://h1:7000,h2:7001,[::1]:7002/0") == [
+        ("h1", 7000),
+        ("h2", 7001),
+        ("::1", 7002),
+    ]
+    assert cluster_seeds("rediss://user:pw@h1") == [("h1", 6379)]
+    with pytest.raises(ConfigError, match="need cluster=True"):
+        RemoteConfig("redis://h1:7000,h2:7000")
+    with pytest.raises(ConfigError, match="is not host:port"):
+        RemoteConfig("redis://h1:7000,h2:port", cluster=True)
+    with pytest.raises(ConfigError, match="must be positive"):
+        RemoteConfig("redis://h1:7000", reset_after_s=0)
+    assert redact_url("rediss://app:secret@h1:7000,h2:7000/0") == "rediss://app:***@h1:7000,h2:7000/0"
+    tier = _tier("redis://:secret@127.0.0.1:1")  # nothing listens on port 1
+    for _ in range(3):
+        with pytest.raises(TierUnavailableError):
+            tier.get(make_block(LAYOUT, 7).key)
+    with pytest.raises(TierUnavailableError, match="circuit open") as refused:
+        tier.get(make_block(LAYOUT, 7).key)
+    assert "secret" not in str(refused.value) and ":***@127.0.0.1:1" in str(refused.value)
+    tier.close()
 
 
 def test_hung_redis_times_out(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "r")
-    tier = _tier(server.url, timeout_s=0.2)
+    tier = _tier(server.url, timeout_s=0.2, failures_to_open=1, reset_after_s=0.1)
     tier.put(make_block(LAYOUT, 4))
     server.pause()
     try:
@@ -96,6 +157,12 @@ def test_hung_redis_times_out(tmp_path: Path) -> None:
         with pytest.raises(TierUnavailableError):
             tier.get(make_block(LAYOUT, 4).key)
         assert time.monotonic() - started < 2.0
+        while tier.breaker.probes < 2:  # a probe of a hung server times out too
+            time.sleep(0.02)
+        assert tier.breaker.open
     finally:
         server.resume()
-        server.stop()
+    _wait_closed(tier)
+    assert tier.get(make_block(LAYOUT, 4).key) is not None
+    tier.close()
+    server.stop()

@@ -5,24 +5,33 @@ from Redis is verified exactly like one read from disk (and a foreign or damaged
 decoded). Keys are ``<prefix>:b:<layout fingerprint>:<block key>``; layout and model are part of
 the key, so engines serving different models can share one Redis safely.
 
-A remote store must never fail a request: every call has a short socket timeout, and a circuit
-breaker stops calling a failing Redis for ``reset_after_s`` (each refused call is one cheap
-``TierUnavailableError``). The caller (the tiered store) treats that as a miss or a skipped write.
-Session manifests are published here too, with a version number updated by compare-and-set, so
-two engines writing the same session cannot overwrite each other.
+A remote store must never fail a request: every call has a short socket timeout, and after
+``failures_to_open`` consecutive failures a circuit breaker refuses calls without touching the
+network (each refusal is one cheap ``TierUnavailableError``, which the tiered store treats as a miss
+or a skipped write). While it is open a background thread probes Redis every ``reset_after_s``
+and closes it as soon as Redis answers, so no request ever waits on a dead server and service
+resumes within one probe interval. On a Redis Cluster a connection error makes the client reload
+the slot map (redis-py asks another node) and retry once, and the probe reloads it too, so after a
+failover the promoted replicas are found as soon as the cluster reports ok; a cluster URL may name
+several seed nodes (``redis://h1:7000,h2:7000``) so a process started while one is down finds the
+others. Session manifests are published here too, with a version number updated by
+compare-and-set, so two engines writing the same session cannot overwrite each other.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvstrata.crypto import Keyring
@@ -32,6 +41,13 @@ from kvstrata.layout import KVLayout
 from kvstrata.store.block import KVBlock
 from kvstrata.store.kvbin import HEADER_BYTES, decode_record, encode_record, parse_header
 from kvstrata.store.tiers.base import TierLevel, TierUsage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Client = redis.Redis | redis.cluster.RedisCluster
+# what a failing Redis raises: redis-py's errors (RedisClusterException is not a RedisError: a
+# cluster whose seeds are all down, or whose nodes disagree mid-failover) and raw socket errors
+_REMOTE_ERRORS = (RedisError, RedisClusterException, OSError)
 
 # Compare-and-set of a session manifest: publish only over the version the writer read. A
 # manifest that is gone (a Redis restarted without persistence, a TTL) is published afresh.
@@ -49,12 +65,16 @@ return version
 @dataclass(frozen=True, slots=True)
 class RemoteConfig:
     url: str
+    """``redis://host:port`` (or ``rediss://``, ``unix://``); for a cluster, one or more seed nodes:
+    ``redis://host1:7000,host2:7000`` (any one reachable node is enough to find the others)."""
     cluster: bool = False
     prefix: str = "kvstrata"
     ttl_s: int | None = None
     timeout_s: float = 0.25
     failures_to_open: int = 3
-    reset_after_s: float = 5.0
+    reset_after_s: float = 0.5
+    """While the breaker is open, a background probe checks Redis this often and closes the
+    breaker as soon as Redis (every master of a cluster) answers; requests never wait for it."""
     write_through: bool = False
     """False (default): blocks are written behind L3, off the request path; True: on every put."""
 
@@ -63,29 +83,78 @@ class RemoteConfig:
             raise ConfigError(f"remote URL must start with redis://, rediss:// or unix://, got {self.url!r}")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ConfigError("remote ttl_s must be positive")
-        if self.timeout_s <= 0 or self.failures_to_open <= 0 or self.reset_after_s < 0:
-            raise ConfigError("remote timeout_s and failures_to_open must be positive")
+        if self.timeout_s <= 0 or self.failures_to_open <= 0 or self.reset_after_s <= 0:
+            raise ConfigError("remote timeout_s, failures_to_open and reset_after_s must be positive")
+        seeds = cluster_seeds(self.url)
+        if len(seeds) > 1 and not self.cluster:
+            raise ConfigError(
+                f"several hosts in a remote URL need cluster=True (--remote-cluster): {self.url!r}"
+            )
+        if self.cluster and self.url.startswith("unix://"):
+            raise ConfigError("a Redis Cluster cannot be reached over a unix:// socket")
 
 
-@dataclass(slots=True)
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (it ends up in logs and error messages)."""
+    scheme, userinfo, hosts, tail = _split_url(url)
+    user, colon, _ = userinfo.rstrip("@").partition(":")
+    return f"{scheme}://{user}{colon and ':***'}{'@' if userinfo else ''}{','.join(hosts)}{tail}"
+
+
+def _split_url(url: str) -> tuple[str, str, list[str], str]:
+    """``scheme://user@h1:p1,h2:p2/0?x=y`` -> (scheme, "user@", [h1:p1, h2:p2], "/0?x=y")."""
+    scheme, _, rest = url.partition("://")
+    end = min((k for k in (rest.find("/"), rest.find("?")) if k >= 0), default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    return scheme, userinfo + at, hosts.split(","), tail
+
+
+def cluster_seeds(url: str) -> list[tuple[str, int]]:
+    """The (host, port) seed nodes a ``redis://`` URL names (one for a plain URL)."""
+    if url.startswith("unix://"):
+        return []
+    seeds = []
+    for hostport in _split_url(url)[2]:
+        host, colon, port = hostport.rpartition(":")
+        if not colon or host.endswith(":"):  # no port, or a bare IPv6 address
+            host, port = hostport, "6379"
+        if not port.isdigit():
+            raise ConfigError(f"remote URL {url!r}: {hostport!r} is not host:port")
+        seeds.append((host.strip("[]") or "localhost", int(port)))
+    return seeds
+
+
 class CircuitBreaker:
-    """Closed -> open after ``failures_to_open`` consecutive failures; half-open after
-    ``reset_after_s`` (one trial call decides)."""
+    """Closed -> open after ``failures_to_open`` consecutive failures. While open every call is
+    refused at once, and a background thread runs ``probe`` every ``probe_interval_s``: the first
+    probe that succeeds closes the breaker. Refusals cost nothing, probes cost no request anything,
+    and the remote is used again one interval after it answers (not after a long fixed period)."""
 
-    failures_to_open: int
-    reset_after_s: float
-    failures: int = 0
-    opened_at: float | None = None
-    trips: int = 0
-    refused: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(
+        self,
+        failures_to_open: int,
+        probe_interval_s: float,
+        probe: Callable[[], object] | None = None,
+        name: str = "remote",
+    ) -> None:
+        self.failures_to_open = failures_to_open
+        self.probe_interval_s = probe_interval_s
+        self.name = name
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.trips = 0
+        self.refused = 0
+        self.probes = 0
+        self._probe = probe
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._prober: threading.Thread | None = None
 
     def allow(self) -> bool:
         with self._lock:
             if self.opened_at is None:
                 return True
-            if time.monotonic() - self.opened_at >= self.reset_after_s:
-                return True  # half-open: let a trial through
             self.refused += 1
             return False
 
@@ -94,14 +163,49 @@ class CircuitBreaker:
             self.failures = 0
             self.opened_at = None
 
-    def failure(self) -> None:
+    def failure(self, *, trip: bool = False) -> None:
+        """One more failed call; ``trip``: open now (the remote said itself that it is down)."""
         with self._lock:
             self.failures += 1
-            if self.failures >= self.failures_to_open and (
-                self.opened_at is None or time.monotonic() - self.opened_at >= self.reset_after_s
-            ):
+            if self.opened_at is None and (trip or self.failures >= self.failures_to_open):
                 self.opened_at = time.monotonic()
                 self.trips += 1
+                # started (and cleared) under the lock: a breaker that is open always has a prober
+                if self._probe is not None and self._prober is None and not self._stop.is_set():
+                    self._prober = threading.Thread(
+                        target=self._probe_loop, name="kvstrata-remote-probe", daemon=True
+                    )
+                    self._prober.start()
+
+    def _probe_loop(self) -> None:
+        assert self._probe is not None
+        while not self._stop.wait(self.probe_interval_s):
+            with self._lock:
+                if self.opened_at is None:  # closed meanwhile by a call that was in flight
+                    self._prober = None
+                    return
+                self.probes += 1
+            try:
+                self._probe()
+            except Exception as exc:  # any failure means "still down"
+                log.debug("%s still unavailable: %s", self.name, exc)
+                continue
+            with self._lock:
+                self.failures = 0
+                self.opened_at = None
+                self._prober = None
+            log.info("%s answers again; circuit closed", self.name)
+            return
+        with self._lock:
+            self._prober = None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop probing (the tier is closing); waits for a probe in flight."""
+        self._stop.set()
+        with self._lock:
+            prober = self._prober
+        if prober is not None:
+            prober.join(timeout_s)
 
     @property
     def open(self) -> bool:
@@ -113,36 +217,76 @@ class RedisTier:
 
     def __init__(self, config: RemoteConfig, layout: KVLayout, keyring: Keyring | None = None) -> None:
         self.config = config
+        self.where = redact_url(config.url)
+        """The URL without its password, for messages and logs."""
         self.keyring = keyring
         self.layout = layout
-        self.breaker = CircuitBreaker(config.failures_to_open, config.reset_after_s)
+        self.breaker = CircuitBreaker(
+            config.failures_to_open, config.reset_after_s, self._probe, name=f"remote tier {self.where}"
+        )
         self._block_prefix = f"{config.prefix}:b:{layout.fingerprint.hex()}:"
         self._session_prefix = f"{config.prefix}:s:{layout.fingerprint.hex()}:"
-        # no client-side retries: a failing Redis must cost one short timeout, then the breaker
-        options = {
-            "socket_timeout": config.timeout_s,
-            "socket_connect_timeout": config.timeout_s,
-            "retry": Retry(NoBackoff(), 0),
-        }
-        try:
-            if config.cluster:
-                self._client: redis.Redis | redis.cluster.RedisCluster = redis.cluster.RedisCluster.from_url(
-                    config.url, **options
-                )
-            else:
-                self._client = redis.Redis.from_url(config.url, **options)
-        except RedisError as exc:
-            raise TierUnavailableError(f"cannot connect to remote tier {config.url}: {exc}") from exc
-        self._cas = self._client.register_script(_CAS_MANIFEST)
+        self._client: Client | None = None
+        self._cas: Any = None
+        self._connect_lock = threading.Lock()
+        if not config.cluster:
+            self._connect()  # a plain client connects lazily: this never touches the network
 
     # -- plumbing --------------------------------------------------------------------------------
-    def _call(self, what: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _make_client(self) -> Client:
+        options: dict[str, Any] = {
+            "socket_timeout": self.config.timeout_s,
+            "socket_connect_timeout": self.config.timeout_s,
+        }
+        if not self.config.cluster:
+            # no client-side retries: a failing Redis costs one short timeout, then the breaker
+            return redis.Redis.from_url(self.config.url, retry=Retry(NoBackoff(), 0), **options)
+        scheme, userinfo, hosts, tail = _split_url(self.config.url)
+        return redis.cluster.RedisCluster(
+            url=f"{scheme}://{userinfo}{hosts[0]}{tail}",
+            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster_seeds(self.config.url)[1:]],
+            # on a connection error redis-py reloads the slot map from another node before it
+            # raises; one retry then reaches a promoted replica without failing the request
+            retry=Retry(NoBackoff(), 1),
+            **options,
+        )
+
+    def _connect(self) -> Client:
+        """The client; a cluster's is made on first use (it reads the slot map, so the store opens
+        while the cluster is down and a failure here is one more breaker failure)."""
+        client = self._client
+        if client is None:
+            with self._connect_lock:
+                if self._client is None:
+                    self._client = self._make_client()
+                    self._cas = self._client.register_script(_CAS_MANIFEST)
+                client = self._client
+        return client
+
+    def _probe(self) -> None:
+        """Succeeds when Redis answers again: a PING; on a cluster, a fresh slot map read from
+        any live node, then every master it names must answer and report ``cluster_state:ok``
+        (so after a failover the breaker closes once the promoted replicas are known and serve,
+        and a cluster that still refuses queries does not make it flap)."""
+        client = self._connect()
+        if isinstance(client, redis.cluster.RedisCluster):
+            client.nodes_manager.initialize()
+            for node in client.get_primaries():
+                state = client.get_redis_connection(node).cluster("info").get("cluster_state")
+                if state != "ok":
+                    raise TierUnavailableError(f"cluster node {node.name} reports cluster_state:{state}")
+        else:
+            client.ping()
+
+    def _call(self, what: str, fn: Callable[[Client], T]) -> T:
         if not self.breaker.allow():
-            raise TierUnavailableError(f"remote tier {self.config.url} is unavailable (circuit open)")
+            raise TierUnavailableError(f"remote tier {self.where} is unavailable (circuit open)")
         try:
-            result = fn(*args, **kwargs)
-        except RedisError as exc:
-            self.breaker.failure()
+            result = fn(self._connect())
+        except _REMOTE_ERRORS as exc:
+            # CLUSTERDOWN: the cluster refuses every query until a failover ends, and redis-py
+            # waits 0.25 s before raising it: open at once rather than after more slow calls
+            self.breaker.failure(trip=isinstance(exc, ClusterDownError))
             raise TierUnavailableError(f"remote tier {what} failed: {exc}") from exc
         self.breaker.success()
         return result
@@ -160,8 +304,10 @@ class RedisTier:
                 keyring=self.keyring,
             )
         except CorruptBlockError:
-            # a damaged value must not be served again, to this engine or any other
-            self._call("delete", self._client.delete, self._name(key))
+            # a damaged value must not be served again, to this engine or any other (if Redis
+            # fails now, the value stays, and is detected again by whoever reads it)
+            with contextlib.suppress(TierUnavailableError):
+                self._call("delete", lambda c: c.delete(self._name(key)))
             raise
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
@@ -177,15 +323,15 @@ class RedisTier:
 
     # -- Tier protocol -----------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
-        return bool(self._call("exists", self._client.exists, self._name(key)))
+        return bool(self._call("exists", lambda c: c.exists(self._name(key))))
 
     def get(self, key: BlockKey) -> KVBlock | None:
-        data = self._call("get", self._client.get, self._name(key))
+        data = self._call("get", lambda c: c.get(self._name(key)))
         return None if data is None else self._decode(key, data)
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        def run() -> list[int]:
-            pipe = self._client.pipeline(transaction=False)
+        def run(client: Client) -> list[int]:
+            pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(self._name(key))
             return pipe.execute()
@@ -195,8 +341,8 @@ class RedisTier:
     def get_many(self, keys: Sequence[BlockKey]) -> list[KVBlock | None]:
         """One pipelined round trip for many blocks; corrupt ones come back as None."""
 
-        def run() -> list[bytes | None]:
-            pipe = self._client.pipeline(transaction=False)
+        def run(client: Client) -> list[bytes | None]:
+            pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(self._name(key))
             return pipe.execute()
@@ -211,7 +357,7 @@ class RedisTier:
 
     def codec_of(self, key: BlockKey) -> int | None:
         """From the record's header alone (a ranged read, not the whole value)."""
-        head = self._call("getrange", self._client.getrange, self._name(key), 0, HEADER_BYTES - 1)
+        head = self._call("getrange", lambda c: c.getrange(self._name(key), 0, HEADER_BYTES - 1))
         if not head:
             return None
         try:
@@ -224,8 +370,8 @@ class RedisTier:
         return True
 
     def put_many(self, blocks: Sequence[KVBlock]) -> None:
-        def run() -> None:
-            pipe = self._client.pipeline(transaction=False)
+        def run(client: Client) -> None:
+            pipe = client.pipeline(transaction=False)
             for block in blocks:
                 pipe.set(self._name(block.key), self._record(block), ex=self.config.ttl_s)
             pipe.execute()
@@ -233,12 +379,10 @@ class RedisTier:
         self._call("pipelined put", run)
 
     def remove(self, key: BlockKey) -> bool:
-        return bool(self._call("delete", self._client.delete, self._name(key)))
+        return bool(self._call("delete", lambda c: c.delete(self._name(key))))
 
     def keys(self) -> Iterator[BlockKey]:
-        names = self._call(
-            "scan", lambda: list(self._client.scan_iter(match=self._block_prefix + "*", count=1000))
-        )
+        names = self._call("scan", lambda c: list(c.scan_iter(match=self._block_prefix + "*", count=1000)))
         for name in names:
             text = name.decode() if isinstance(name, bytes) else name
             raw = bytes.fromhex(text[len(self._block_prefix) :])
@@ -246,15 +390,15 @@ class RedisTier:
                 yield BlockKey(raw)
 
     def block_bytes(self, key: BlockKey) -> int:
-        return int(self._call("strlen", self._client.strlen, self._name(key)))
+        return int(self._call("strlen", lambda c: c.strlen(self._name(key))))
 
     def usage(self) -> TierUsage:
         keys = list(self.keys())
         if not keys:
             return TierUsage(0, 0, 0, None)
 
-        def run() -> list[int]:
-            pipe = self._client.pipeline(transaction=False)
+        def run(client: Client) -> list[int]:
+            pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.strlen(self._name(key))
             return pipe.execute()
@@ -263,7 +407,9 @@ class RedisTier:
         return TierUsage(len(keys), used, used, None)
 
     def close(self) -> None:
-        self._client.close()
+        self.breaker.stop()
+        if self._client is not None:
+            self._client.close()
 
     # -- session manifests -------------------------------------------------------------------------
     def _session_name(self, namespace: str, session_id: str) -> str:
@@ -275,7 +421,10 @@ class RedisTier:
         name = self._session_name(namespace, session_id)
         result = int(
             self._call(
-                "publish", self._cas, keys=[name], args=[expected_version, data, self.config.ttl_s or 0]
+                "publish",
+                lambda c: self._cas(
+                    keys=[name], args=[expected_version, data, self.config.ttl_s or 0], client=c
+                ),
             )
         )
         if result < 0:
@@ -287,11 +436,11 @@ class RedisTier:
 
     def fetch_manifest(self, namespace: str, session_id: str) -> tuple[int, bytes] | None:
         fields = self._call(
-            "fetch", self._client.hmget, self._session_name(namespace, session_id), "version", "data"
+            "fetch", lambda c: c.hmget(self._session_name(namespace, session_id), "version", "data")
         )
         if fields[0] is None or fields[1] is None:
             return None
         return int(fields[0]), bytes(fields[1])
 
     def delete_manifest(self, namespace: str, session_id: str) -> bool:
-        return bool(self._call("delete", self._client.delete, self._session_name(namespace, session_id)))
+        return bool(self._call("delete", lambda c: c.delete(self._session_name(namespace, session_id))))
