@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,12 +20,10 @@ PIPE_WIDTH = 1000
 
 
 def make_console(*, stderr: bool = False) -> Console:
-    """A console at the terminal's width; into a pipe or a file, as wide as the output needs
-    (rich would cut tables at 80 columns, "namesp…"), unless $COLUMNS says otherwise."""
+    """A console at the terminal's width; into a pipe or a file, as wide as the output needs (rich
+    would cut tables at 80 columns, or at a $COLUMNS that readline exported: "namesp…")."""
     console = Console(stderr=stderr)
-    if console.is_terminal or os.environ.get("COLUMNS"):
-        return console
-    return Console(stderr=stderr, width=PIPE_WIDTH)
+    return console if console.is_terminal else Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 console = make_console()
