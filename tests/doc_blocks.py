@@ -36,7 +36,7 @@ MODE_LANGS = {
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)\s*$")
 _RUN = re.compile(r"^\s*<!--\s*run:\s*(?P<mode>[\w-]+)\s*(?:\((?P<reason>.*)\))?\s*-->\s*$")
-_RUN_LOOSE = re.compile(r"<!--\s*run\b")
+_RUN_LOOSE = re.compile(r"^\s*<!--\s*run\b")
 
 
 @dataclass(frozen=True)
@@ -110,14 +110,14 @@ def check(block: DocBlock) -> str | None:
         if block.lang in RUNNABLE_LANGS:
             shown = block.lang or "untagged"
             return (
-                f"{block.id}: a {shown} block without a <!-- run: python|shell|server|vllm|skip (reason) --> "
+                f"{block.id}: {shown} block without a <!-- run: python|shell|server|vllm|skip (reason) --> "
                 "line right before it (sample output or a file layout: tag it ```text)"
             )
         return None
     if block.mode not in MODES:
         return f"{block.id}: unknown run mode {block.mode!r} (one of {', '.join(MODES)})"
     if block.lang not in MODE_LANGS[block.mode]:
-        return f"{block.id}: a {block.lang or 'untagged'} block cannot run as {block.mode}"
+        return f"{block.id}: {block.lang or 'untagged'} block cannot run as {block.mode}"
     if block.mode == "skip" and not (block.reason or "").strip():
         return f"{block.id}: run: skip needs a reason, e.g. <!-- run: skip (sample output) -->"
     if block.mode != "skip" and block.reason:
