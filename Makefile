@@ -1,7 +1,11 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - create .venv, install everything, run the main job
 #   make test   - create .venv (and .venv-vllm), install everything, run lint and the whole test suite
+#   make clean  - remove both venvs and the tool caches
+# Needs: Python 3.11, make, PyPI; `make test` also redis-server (installed with apt-get when missing, as
+# root) and about 5.5 GB of disk (.venv 1.5 GB, .venv-vllm 3.5 GB, the converted model 0.5 GB).
 VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvstrata-installed
@@ -38,11 +42,11 @@ bench-recovery: $(STAMP)
 	$(PY) benchmarks/recovery.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
 
 # The vLLM connector (kvstrata.integrations.vllm) on vLLM's CPU build. vLLM pins transformers < 5.20,
 # the core >= 5.24, so it gets its own venv (.venv-vllm, made once by the script); tests in tests_vllm/.
 .PHONY: test-vllm
 test-vllm: redis
-	bash scripts/make_vllm_venv.sh
-	.venv-vllm/bin/python -m pytest tests_vllm
+	VLLM_VENV=$(VLLM_VENV) bash scripts/make_vllm_venv.sh
+	$(VLLM_VENV)/bin/python -m pytest tests_vllm

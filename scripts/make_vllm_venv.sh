@@ -26,12 +26,17 @@ PY="$VENV/bin/python"
 # PyPI's torchvision/torchaudio are CUDA builds that break `import vllm` (torchvision::nms does not exist);
 # text models do not need them
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-# kvstrata without its deps (they would replace vLLM's transformers pin), then what the store needs at run
-# time and what the tests need; never torch or transformers here
-"$PY" -m pip install -q --no-deps -e .
+# What the store needs at run time and what the tests need, BEFORE kvstrata itself: pip checks the
+# whole environment after an install, and would report kvstrata's own transformers requirement (which
+# vLLM's pin does not meet; see below) as a resolver ERROR. Never torch or transformers here.
+"$PY" -m pip uninstall -y -q kvstrata 2>/dev/null || true  # a re-run: out of the check until the end
 "$PY" -m pip install -q "zstandard>=0.22" "lz4>=4.3" "crc32c>=2.4" "redis>=5" "cryptography>=42" \
   "platformdirs>=4" "typer>=0.12" "rich>=13" "safetensors>=0.4" "gguf>=0.10" "tqdm>=4.66" \
   "pytest>=8" "pytest-timeout>=2.3" "ruff>=0.5"
+# kvstrata last and without its deps: they would replace vLLM's transformers pin
+"$PY" -m pip install -q --no-deps -e .
+echo "note: kvstrata is installed with --no-deps beside vLLM's transformers pin; \`pip check\` would report" \
+  "that kvstrata asks for a newer transformers: expected, the connector runs on vLLM's (tests_vllm checks it)"
 "$PY" -c "import torch, vllm, transformers, kvstrata; print('torch', torch.__version__, 'vllm', vllm.__version__, \
 'transformers', transformers.__version__)"
 touch "$STAMP"

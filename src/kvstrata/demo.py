@@ -6,7 +6,10 @@ disk. Every turn is measured twice, side by side in the same process: with kvstr
 the store holds, prefill the rest) and as a full recompute of the same prompt. Phases report JSON
 lines on stdout; the ``demo`` command collects them into one table.
 
-    python -m kvstrata.demo PHASE STORE_DIR [options]      (what ``kvstrata demo`` spawns)
+STORE_ROOT is a store root like every command's ``--store``: the demo's store is
+``STORE_ROOT/<layout>/``, marked as the demo's (``kvstrata demo`` empties only such stores).
+
+    python -m kvstrata.demo PHASE STORE_ROOT [options]      (what ``kvstrata demo`` spawns)
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ QUESTIONS = [
     "What lesson would your audience take from this story?",
     "Name one detail of the story that a reader might overlook.",
 ]
+# Written into the demo's store before anything else: ``kvstrata demo`` empties a store only if it
+# carries this mark, so it never deletes a store the demo did not make.
+DEMO_MARK = "kvstrata-demo.txt"
+TRANSCRIPTS = "demo-transcripts.json"
 
 
 @dataclass(slots=True)
@@ -65,14 +72,19 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     from kvstrata import KVStore, StoreConfig
+    from kvstrata.cli.stores import store_for_layout
     from kvstrata.config import MiB, encryption_key_from_env
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
     from kvstrata.store.tiers.remote import RemoteConfig
 
     torch.manual_seed(0)
-    loaded = load_model(args.model, attn_implementation="sdpa", progress=True)
+    loaded = load_model(args.model, attn_implementation="sdpa", progress=not args.quiet)
     layout = loaded.layout(64)
+    store_dir = store_for_layout(Path(args.store), layout)
+    if args.phase == 1:
+        store_dir.mkdir(parents=True, exist_ok=True)
+        (store_dir / DEMO_MARK).write_text("made by `kvstrata demo`; the next `kvstrata demo` empties it\n")
     remote = RemoteConfig(args.remote, cluster=args.remote_cluster) if args.remote else None
     config = StoreConfig(
         l1_budget_bytes=args.l1_mib * MiB,
@@ -80,12 +92,12 @@ def run_phase(args: argparse.Namespace) -> None:
         remote=remote,
         encryption_key=encryption_key_from_env(),
     )
-    transcripts_path = Path(args.store) / "demo-transcripts.json"
+    transcripts_path = store_dir / TRANSCRIPTS
     transcripts: dict[str, list[dict[str, str]]] = (
         json.loads(transcripts_path.read_text()) if transcripts_path.exists() else {}
     )
     first, last = (1, args.turns // 2) if args.phase == 1 else (args.turns // 2 + 1, args.turns)
-    with KVStore(Path(args.store), layout, model_fingerprint=loaded.fingerprint, config=config) as store:
+    with KVStore(store_dir, layout, model_fingerprint=loaded.fingerprint, config=config) as store:
         engine = Engine(loaded, store)
         # one throwaway request first: the first forward pass pays one-time costs (allocator, kernels)
         engine.chat("warm-up", [{"role": "user", "content": "Hello"}], max_new_tokens=2, use_cache=False)
@@ -132,6 +144,7 @@ def run_phase(args: argparse.Namespace) -> None:
                 json.dumps(
                     {
                         "store": {
+                            "path": str(store_dir),
                             "logical_kv_bytes": logical,
                             "tiers": tiers,
                             "sessions_tokens": [s.num_tokens for s in sessions],
@@ -155,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--l2-mib", type=int, default=256)
     parser.add_argument("--remote", default=None)
     parser.add_argument("--remote-cluster", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="No progress bars on stderr.")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     run_phase(args)

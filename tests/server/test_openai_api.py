@@ -11,6 +11,7 @@ import pytest
 from server_builders import BLOCK_TOKENS, MODEL_NAME, LiveServer, cached, chat, live_server, tiny_model
 
 from kvstrata.integrations.transformers.model import LoadedModel
+from kvstrata.server import ServerConfig
 
 SYSTEM = {"role": "system", "content": "You are a careful agent that keeps long notes."}
 MAX_PROMPT_TOKENS = 200
@@ -203,3 +204,20 @@ def test_a_client_leaving_a_stream_frees_the_engine(server: LiveServer) -> None:
     # the abandoned request stops at its next token and releases the engine for this one
     assert chat(server.client(), [SYSTEM], "after-leaving").usage.completion_tokens == 6
     assert server.store.session("left").num_tokens < 100  # nothing of the 400 tokens persisted
+
+
+def test_the_model_may_be_named_as_clients_name_it(server: LiveServer) -> None:
+    """The README's client asks for "SmolLM2-135M-Instruct"; the server serves the GGUF's
+    "SmolLM2-135M-Instruct.Q4_1". Hugging Face ids carry an organisation ("org/name")."""
+    # not SYSTEM: other tests expect its prefix blocks to be stored by them first
+    question = [{"role": "user", "content": "Which model are you?"}]
+    assert chat(server.client(), question, model=f"some-org/{MODEL_NAME}").usage.completion_tokens == 6
+    served = ServerConfig(model_name="SmolLM2-135M-Instruct.Q4_1")
+    for name in (
+        "SmolLM2-135M-Instruct.Q4_1",
+        "SmolLM2-135M-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ):
+        assert served.serves(name), name
+    for name in ("SmolLM2-360M-Instruct", "SmolLM2", "gpt-4", "SmolLM2-135M-Instruct.Q8_0"):
+        assert not served.serves(name), name

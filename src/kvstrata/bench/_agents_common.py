@@ -23,6 +23,7 @@ def load_bench_model(
     spec: str | None, workdir: Path, *, tiny_layers: int = 2, tiny_hidden: int = 64
 ) -> LoadedModel:
     """SmolLM2 (``spec`` None), the tiny random Llama (``"tiny"``), or a model directory / GGUF."""
+    from kvstrata.cli.progress import stderr_is_terminal
     from kvstrata.integrations.transformers.model import load_model, save_tiny_llama
 
     if spec == TINY:
@@ -36,7 +37,7 @@ def load_bench_model(
             kv_heads=2,
         )
         return load_model(directory, progress=False)
-    return load_model(spec, attn_implementation="sdpa")
+    return load_model(spec, attn_implementation="sdpa", progress=stderr_is_terminal())
 
 
 @contextlib.contextmanager

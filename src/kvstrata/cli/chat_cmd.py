@@ -2,8 +2,9 @@
 
 The conversation's messages are kept beside the store as ``chats/<namespace>/<session>.json``
 (the store keeps token ids and KV, not messages); each turn renders the whole conversation,
-and the engine prefills only what the store does not hold yet. One store directory serves one
-KV layout, so each model layout gets its own subdirectory ``<store>/<layout fingerprint>``.
+and the engine prefills only what the store does not hold yet. ``--store`` is a store root: the
+model's store is ``<store>/<layout>/`` (``kvstrata.cli.stores``), which ``kvstrata sessions``,
+``store stats`` and ``gc`` then find under the same ``--store``.
 """
 
 from __future__ import annotations
@@ -18,15 +19,19 @@ import typer
 
 from kvstrata.cli.common import (
     JsonOption,
+    ModelOption,
     NamespaceOption,
     RemoteClusterOption,
     RemoteOption,
+    StoreOption,
     err_console,
     fail,
     print_json,
     remote_config,
 )
-from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
+from kvstrata.cli.progress import show_progress
+from kvstrata.cli.stores import check_writable_root, store_for_layout, store_root
+from kvstrata.config import StoreConfig, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 from kvstrata.priority import Priority
 from kvstrata.store.sessions import validate_session_id
@@ -52,38 +57,32 @@ def chat(
     priority: Annotated[
         Priority, typer.Option("--priority", help="Priority class of the session.")
     ] = Priority.INTERACTIVE,
-    store: Annotated[
-        Path | None,
-        typer.Option(
-            "--store", envvar="KVSTRATA_STORE", help="Store directory (default: the platform data dir)."
-        ),
-    ] = None,
-    model: Annotated[
-        Path | None,
-        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
-    ] = None,
+    store: StoreOption = None,
+    model: ModelOption = None,
     remote: RemoteOption = None,
     remote_cluster: RemoteClusterOption = False,
 ) -> None:
     """Send a message in a session and print the answer (streamed), reusing cached KV."""
-    from kvstrata.engine import Engine
-    from kvstrata.integrations.transformers.model import load_model
-    from kvstrata.store import KVStore
-
     try:
         validate_session_id(session)
         validate_session_id(namespace)
-        loaded = load_model(model, progress=not json_out)
+        config = StoreConfig(
+            remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
+        )
+        check_writable_root(store_root(store))  # before transformers is imported and the model loads
+
+        from kvstrata.engine import Engine
+        from kvstrata.integrations.transformers.model import load_model
+        from kvstrata.store import KVStore
+
+        loaded = load_model(model, progress=show_progress(json_out))
         layout = loaded.layout(BLOCK_TOKENS)
-        root = (store or default_store_dir()) / layout.fingerprint.hex()[:12]
+        root = store_for_layout(store_root(store), layout)
         transcript_path = root / "chats" / namespace / f"{session}.json"
         messages = _read_transcript(transcript_path)
         if not messages and system:
             messages.append({"role": "system", "content": system})
         inputs = [message] if message is not None else _stdin_messages()
-        config = StoreConfig(
-            remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
-        )
         with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
             engine = Engine(loaded, kv)
             for text in inputs:
@@ -117,6 +116,8 @@ def chat(
                     )
     except KVStrataError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot use the store under {store_root(store)}: {exc}")
 
 
 def _print_delta(delta: str) -> None:

@@ -1,4 +1,4 @@
-"""Shared CLI plumbing: the store option, opening a store, and JSON/table output."""
+"""Shared CLI plumbing: the common options, errors as one line, and JSON/table output."""
 
 from __future__ import annotations
 
@@ -10,19 +10,43 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
 from kvstrata.errors import KVStrataError
-from kvstrata.store import KVStore
 from kvstrata.store.tiers.remote import RemoteConfig
 
-console = Console()
-err_console = Console(stderr=True)
+# Wide enough that no table of ours is cut: a pipe or a log file gets every cell whole.
+PIPE_WIDTH = 1000
 
-StoreOption = Annotated[
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A console at the terminal's width; into a pipe or a file, as wide as the output needs (rich
+    would cut tables at 80 columns, or at a $COLUMNS that readline exported: "namesp…")."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=PIPE_WIDTH)
+
+
+console = make_console()
+err_console = make_console(stderr=True)
+
+STORE_HELP = (
+    "Store root: one store per model layout, in DIR/<layout>/ (a DIR that is itself a store is used "
+    "as it is). Default: $KVSTRATA_STORE, else the platform data dir."
+)
+StoreOption = Annotated[Path | None, typer.Option("--store", envvar="KVSTRATA_STORE", help=STORE_HELP)]
+LayoutOption = Annotated[
+    str | None,
+    typer.Option(
+        "--layout",
+        help="Which store under --store, when it holds several (one per model layout): its directory "
+        "name, or a prefix of it.",
+    ),
+]
+ModelOption = Annotated[
     Path | None,
     typer.Option(
-        "--store", envvar="KVSTRATA_STORE", help="Store directory (default: the platform data dir)."
+        "--model",
+        help="Model directory or .gguf file (default: $KVSTRATA_MODEL, else SmolLM2-135M-Instruct).",
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -41,19 +65,6 @@ RemoteClusterOption = Annotated[
 NamespaceOption = Annotated[str, typer.Option("--namespace", "-n", help="Namespace (tenant) of the session.")]
 
 
-def open_store(store: Path | None, *, read_only: bool = False) -> KVStore:
-    """Open an existing store with its recorded layout and no memory tiers. Read-only opens are
-    safe while another process (a server, a demo) owns the store."""
-    root = store or default_store_dir()
-    if not (root / "index.sqlite").exists():
-        fail(f"no kvstrata store at {root} (use --store or KVSTRATA_STORE)")
-    try:
-        config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0, encryption_key=encryption_key_from_env())
-        return KVStore(root, config=config, read_only=read_only)
-    except KVStrataError as exc:
-        fail(str(exc))
-
-
 def remote_config(url: str | None, cluster: bool) -> RemoteConfig | None:
     if url is None:
         return None
@@ -64,7 +75,8 @@ def remote_config(url: str | None, cluster: bool) -> RemoteConfig | None:
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {message}")
+    """Print ``error: message`` as one line on stderr and exit: no traceback for a CLI user."""
+    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
 

@@ -2,7 +2,9 @@
 
 It uses the SmolLM2-135M geometry with deterministic synthetic KV, so it runs without a model:
 several agents share a system prompt and append turns; the store is closed and reopened (as a
-restarted process would), and every session is read back and compared bit for bit.
+restarted process would), and every session is read back and compared bit for bit. With
+``--store DIR`` the store is ``DIR/<layout>/`` like every command's (``kvstrata.cli.stores``), so
+``kvstrata sessions list --store DIR`` finds it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Annotated
 import numpy as np
 import torch
 import typer
-from rich.progress import track
 from rich.table import Table
 
 from kvstrata.cli.common import JsonOption, console, print_json
+from kvstrata.cli.progress import progress_bar
+from kvstrata.cli.stores import check_writable_root, store_for_layout
 from kvstrata.config import MiB, StoreConfig
 from kvstrata.layout import KVLayout
 from kvstrata.policy.ladder import CodecLadder
@@ -39,7 +42,8 @@ def synthetic_kv(layout: KVLayout, token_ids: list[int], start_pos: int) -> torc
 
 def store_demo(
     store: Annotated[
-        Path | None, typer.Option("--store", help="Store directory (default: a temporary one).")
+        Path | None,
+        typer.Option("--store", help="Store root; the store is DIR/<layout>/ (default: a temporary one)."),
     ] = None,
     agents: Annotated[int, typer.Option(min=1, help="Number of agents.")] = 6,
     turns: Annotated[int, typer.Option(min=1, help="Turns per agent.")] = 4,
@@ -49,17 +53,22 @@ def store_demo(
 ) -> None:
     """Agents sharing a system prompt write KV, the store restarts, every session is verified."""
     layout = SMOLLM2_LAYOUT
-    root = store or Path(tempfile.mkdtemp(prefix="kvstrata-demo-"))
+    if store is not None:
+        check_writable_root(store)
+    root = store_for_layout(store, layout) if store else Path(tempfile.mkdtemp(prefix="kvstrata-demo-"))
     # exact ladder: the demo checks restores bit for bit (lossy ladders are measured by `eval codecs`)
     config = StoreConfig(l1_budget_bytes=64 * MiB, l2_budget_bytes=128 * MiB, ladder=CodecLadder.exact())
     rng = np.random.default_rng(0)
     system = rng.integers(0, 49_152, system_tokens).tolist()
     histories: dict[str, list[int]] = {}
     started = time.perf_counter()
-    with KVStore(root, layout, model_fingerprint=b"synthetic-demo", config=config) as kv:
+    with (
+        KVStore(root, layout, model_fingerprint=b"synthetic-demo", config=config) as kv,
+        progress_bar(not json_out, transient=True) as bar,
+    ):
         for a in range(agents):
             kv.create_session(f"agent-{a}", exist_ok=True)
-        for _turn in track(range(turns), description="agents writing turns", disable=json_out):
+        for _turn in bar.track(range(turns), description="agents writing turns"):
             for a in range(agents):
                 session = kv.session(f"agent-{a}")
                 new = (system if session.num_tokens == 0 else []) + rng.integers(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstrata.cli.common import JsonOption, console, err_console, fail, print_json
+from kvstrata.cli.common import JsonOption, ModelOption, console, fail, print_json
+from kvstrata.cli.progress import progress_bar, show_progress
 from kvstrata.codecs import codec_names
 from kvstrata.errors import KVStrataError
 
@@ -24,10 +23,7 @@ eval_app = typer.Typer(help="Measure kvstrata's parts on a real model.", no_args
 
 @eval_app.command("codecs")
 def codecs_cmd(
-    model: Annotated[
-        Path | None,
-        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
-    ] = None,
+    model: ModelOption = None,
     context_tokens: Annotated[
         int, typer.Option("--context-tokens", min=1, help="Tokens prefilled before the scored ones.")
     ] = DEFAULT_CONTEXT_TOKENS,
@@ -46,17 +42,10 @@ def codecs_cmd(
     names = [name.strip() for name in codecs.split(",") if name.strip()] if codecs else codec_names()
     started = time.perf_counter()
     try:
-        loaded = load_model(model, progress=not json_out)
+        loaded = load_model(model, progress=show_progress(json_out))
         token_ids = eval_token_ids(loaded)
         # One bar over all teacher-forced steps: the reference run, then one run per codec.
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-        ) as progress:
+        with progress_bar(show_progress(json_out), transient=True) as progress:
             task = progress.add_task("prefill and encode", total=eval_tokens * (len(names) + 1))
 
             def on_step(label: str, _done: int) -> None:
@@ -107,10 +96,7 @@ def codecs_cmd(
 
 @eval_app.command("eviction")
 def eviction_cmd(
-    model: Annotated[
-        Path | None,
-        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
-    ] = None,
+    model: ModelOption = None,
     budget: Annotated[
         float, typer.Option(min=0.05, max=1.0, help="Share of the context's blocks kept.")
     ] = 0.5,
@@ -128,16 +114,9 @@ def eviction_cmd(
     from kvstrata.integrations.transformers.model import load_model
 
     try:
-        loaded = load_model(model, progress=not json_out)
+        loaded = load_model(model, progress=show_progress(json_out))
         token_ids = eval_token_ids(loaded)
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-        ) as progress:
+        with progress_bar(show_progress(json_out), transient=True) as progress:
             task = progress.add_task("prefill", total=eval_tokens * len(MODES))
             results = evaluate_eviction(
                 loaded,

@@ -1,4 +1,6 @@
-"""``kvstrata serve``: the OpenAI-compatible HTTP service over one model and one store."""
+"""``kvstrata serve``: the OpenAI-compatible HTTP service over one model and one store.
+
+``--store`` is a store root, as for every command: the model's store is ``<store>/<layout>/``."""
 
 from __future__ import annotations
 
@@ -9,22 +11,23 @@ from typing import Annotated
 import typer
 
 from kvstrata.cli.chat_cmd import BLOCK_TOKENS
-from kvstrata.cli.common import RemoteClusterOption, RemoteOption, fail, remote_config
-from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
+from kvstrata.cli.common import (
+    ModelOption,
+    RemoteClusterOption,
+    RemoteOption,
+    StoreOption,
+    fail,
+    remote_config,
+)
+from kvstrata.cli.progress import stderr_is_terminal
+from kvstrata.cli.stores import check_writable_root, store_for_layout, store_root
+from kvstrata.config import StoreConfig, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 
 
 def serve(
-    model: Annotated[
-        Path | None,
-        typer.Option("--model", help="Model directory or .gguf file (default: SmolLM2-135M-Instruct)."),
-    ] = None,
-    store: Annotated[
-        Path | None,
-        typer.Option(
-            "--store", envvar="KVSTRATA_STORE", help="Store directory (default: the platform data dir)."
-        ),
-    ] = None,
+    model: ModelOption = None,
+    store: StoreOption = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
     remote: RemoteOption = None,
@@ -55,10 +58,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, session admin and /metrics over HTTP."""
-    import uvicorn
+    check_writable_root(store_root(store))  # before the server stack is imported and the model loads
 
-    from kvstrata.engine import Engine
-    from kvstrata.integrations.transformers.model import load_model
     from kvstrata.policy.memory import MemoryMode, MemoryModeKind
     from kvstrata.priority import Priority
     from kvstrata.server import ServerConfig, create_app
@@ -68,16 +69,24 @@ def serve(
     try:
         keys = ApiKeys.load(api_keys, os.environ.get(ENV_VAR))
         check_bind(host, keys)
-        loaded = load_model(model, progress=True)
-        layout = loaded.layout(BLOCK_TOKENS)
-        root = (store or default_store_dir()) / layout.fingerprint.hex()[:12]
         config = StoreConfig(
             remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
         )
-        kv = KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config)
         modes = {}
         if background_memory:
             modes[Priority.BACKGROUND] = MemoryMode.parse(background_memory)
+
+        import uvicorn
+
+        from kvstrata.engine import Engine
+        from kvstrata.integrations.transformers.model import load_model
+        from kvstrata.server import ServerConfig, create_app
+        from kvstrata.store import KVStore
+
+        loaded = load_model(model, progress=stderr_is_terminal())
+        layout = loaded.layout(BLOCK_TOKENS)
+        root = store_for_layout(store_root(store), layout)
+        kv = KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config)
         engine = Engine(
             loaded,
             kv,
@@ -106,3 +115,5 @@ def serve(
             shutdown()  # idempotent: a start-up failure never reached the lifespan
     except KVStrataError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot use the store under {store_root(store)}: {exc}")

@@ -10,10 +10,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvstrata.cli.common import JsonOption, StoreOption, console, err_console, open_store, print_json
+from kvstrata.cli.common import JsonOption, LayoutOption, StoreOption, console, err_console, fail, print_json
+from kvstrata.cli.stores import one_store, open_store
 from kvstrata.codecs import CodecId
 from kvstrata.config import DAY_S, GcConfig
-from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError, KVStrataError, LayoutMismatchError
 from kvstrata.store.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
 from kvstrata.store.lifecycle import collect_garbage
 
@@ -77,9 +78,9 @@ def inspect(
 
 
 @store_app.command("stats")
-def store_stats(store: StoreOption = None, json_out: JsonOption = False) -> None:
+def store_stats(store: StoreOption = None, layout: LayoutOption = None, json_out: JsonOption = False) -> None:
     """Per tier: blocks, bytes, budget, hits/misses, and L2 fragmentation."""
-    kv = open_store(store, read_only=True)
+    kv = open_store(one_store(store, layout).path, read_only=True)
     try:
         stats = kv.stats()
     finally:
@@ -128,14 +129,17 @@ def store_stats(store: StoreOption = None, json_out: JsonOption = False) -> None
 
 def gc(
     store: StoreOption = None,
+    layout: LayoutOption = None,
     cold_after_days: Annotated[float, typer.Option(help="Move blocks idle this long to cold/.")] = 7.0,
     retention_days: Annotated[float, typer.Option(help="Delete unpinned sessions idle this long.")] = 30.0,
     json_out: JsonOption = False,
 ) -> None:
     """Age blocks to cold/, expire sessions (TTL, retention), delete unreferenced blocks."""
-    kv = open_store(store)
+    kv = open_store(one_store(store, layout).path)
     try:
         report = collect_garbage(kv, GcConfig(cold_after_days * DAY_S, retention_days * DAY_S))
+    except KVStrataError as exc:
+        fail(str(exc))
     finally:
         kv.close()
     if json_out:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,11 +14,23 @@ from kvstrata.server.auth import ApiKeys
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.store import KVStore
 
+# A GGUF file's quantisation suffix ("SmolLM2-135M-Instruct.Q4_1", "...-Q8_0", ".F16"): clients name
+# the model without it, as its model card does.
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
+
+
+def model_names(model_name: str) -> frozenset[str]:
+    """The names a request may use for the model served as ``model_name``: itself, and itself
+    without a GGUF quantisation suffix (``SmolLM2-135M-Instruct`` for ``SmolLM2-135M-Instruct.Q4_1``)."""
+    return frozenset({model_name, _QUANT_SUFFIX.sub("", model_name)})
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     model_name: str = "kvstrata"
-    """The id ``/v1/models`` lists; requests naming another model are refused."""
+    """The id ``/v1/models`` lists; requests naming another model are refused. Requests may also
+    name it without its quantisation suffix, or with an organisation prefix (``org/name``), as
+    OpenAI-style clients and Hugging Face ids do (:meth:`serves`)."""
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 4096
     """The most ``max_tokens`` a request may ask for."""
@@ -34,6 +47,10 @@ class ServerConfig:
             raise ConfigError("max_prompt_tokens and max_tokens_limit must be >= 1")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
+
+    def serves(self, requested: str) -> bool:
+        """Whether a request's ``model`` names the served model."""
+        return requested.rsplit("/", 1)[-1] in model_names(self.model_name)
 
 
 @dataclass(slots=True)

@@ -60,7 +60,7 @@ def _job(
     messages: list[dict[str, str]] | None = None,
     prompt: str | None = None,
 ) -> _Job:
-    if body.model != ctx.config.model_name:
+    if not ctx.config.serves(body.model):
         raise APIError(
             404,
             f"model {body.model!r} is not served here; use {ctx.config.model_name!r}",

