@@ -57,7 +57,13 @@ def build(root: Path, sessions: int, blocks: int) -> None:
         session = Session("default", f"agent-{s:04d}", b"bench", tokens, keys)
         store.index.sessions.put(session.to_row())
     with store.index.transaction() as db:
-        db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        db.executemany(
+            "INSERT OR REPLACE INTO blocks (key, cold, num_tokens, start_pos, codec, nbytes, created, "
+            "last_access, access_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        db.execute("DELETE FROM block_usage")
+        db.execute("INSERT INTO block_usage SELECT '', count(*), total(nbytes) FROM blocks")
     store.close()
 
 

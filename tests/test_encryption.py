@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvstrata import KVStore
+from kvstrata import KVStore, StoreConfig
 from kvstrata.cli.main import app
 from kvstrata.crypto import Keyring, parse_master_key
 from kvstrata.errors import ConfigError, CorruptBlockError, EncryptionKeyError
@@ -71,7 +72,9 @@ def test_encrypted_store_round_trip_restart_and_missing_key(open_store: Factory,
     assert loaded.tokens_by_tier == {TierLevel.L3: 10} and torch.equal(loaded.kv, kv)  # type: ignore[arg-type]
     reopened.close()
 
-    without_key = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
+    with pytest.raises(EncryptionKeyError, match="encrypted at rest"):
+        open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)  # no key: refused for writing
+    without_key = KVStore(root, read_only=True)  # inspection without the key is allowed
     loaded = without_key.load(without_key.session("s", "tenant-a"))
     assert loaded.num_tokens == 0 and loaded.missing_from_token == 0  # unreadable: recomputed, never guessed
     assert without_key.counters.unreadable_blocks == 1
@@ -106,3 +109,57 @@ def test_remote_values_are_sealed(open_store: Factory, tmp_path: Path, redis_ser
     continued = other.session("s", "tenant-b")
     assert torch.equal(other.load(continued).kv, kv)  # type: ignore[arg-type]
     assert os.path.exists(tmp_path / "b")
+
+
+def test_wrong_or_missing_key_is_refused_at_open_and_changes_nothing(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    """Issue 15, acceptance 6: right key, wrong key, no key, right key again: every session whole."""
+    root = tmp_path / "store"
+    store = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
+    expected = {}
+    for i in range(3):
+        session = store.create_session(f"s{i}", "tenant")
+        tokens = list(range(i * 100, i * 100 + 9 + i))
+        store.append(session, tokens, token_kv(LAYOUT, tokens))
+        store.checkpoint(session)
+        expected[f"s{i}"] = token_kv(LAYOUT, tokens)
+    store.close()
+    before = sorted((p.name, p.stat().st_size) for p in root.rglob("*.kvbin"))
+    wrong = bytes(range(1, 33))
+    for config in ({"encryption_key": wrong}, {}):
+        with pytest.raises(EncryptionKeyError) as refused:
+            open_store(root, l1_budget_bytes=0, l2_budget_bytes=0, **config)
+        assert "\n" not in str(refused.value) and str(root) in str(
+            refused.value
+        )  # one line, naming the store
+    with pytest.raises(EncryptionKeyError, match="wrong encryption key"):
+        KVStore(root, read_only=True, config=StoreConfig(encryption_key=wrong))
+    assert sorted((p.name, p.stat().st_size) for p in root.rglob("*.kvbin")) == before
+    assert not list((root / "quarantine").iterdir())
+    again = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
+    for sid, kv in expected.items():
+        loaded = again.load(again.session(sid, "tenant"))
+        assert loaded.missing_from_token is None and torch.equal(loaded.kv, kv)  # type: ignore[arg-type]
+
+
+def test_store_encrypted_before_check_values_gets_one_from_a_key_that_opens_it(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    from kvstrata.store.keycheck import KEY_CHECK_META
+
+    root = tmp_path / "store"
+    store = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
+    session = store.create_session("s", "tenant")
+    store.append(session, list(range(8)), token_kv(LAYOUT, list(range(8))))
+    store.checkpoint(session)
+    store.close()
+    db = sqlite3.connect(root / "index.sqlite")
+    db.execute("DELETE FROM meta WHERE name = ?", (KEY_CHECK_META,))  # as written by an older build
+    db.commit()
+    db.close()
+    with pytest.raises(EncryptionKeyError, match="do not open"):
+        open_store(root, encryption_key=bytes(range(1, 33)), l1_budget_bytes=0, l2_budget_bytes=0)
+    reopened = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
+    assert reopened.index.get_meta(KEY_CHECK_META) is not None
+    assert reopened.load(reopened.session("s", "tenant")).num_tokens == 8

@@ -147,7 +147,7 @@ def test_system_prompt_blocks_are_stored_once_and_shared(tiny: LoadedModel, open
         assert response.cached_tokens == shared_tokens
         assert response.prefill_tokens == response.prompt_tokens - shared_tokens
     store.flush()
-    files = sorted(p.stem for p in (store.root / "hot").rglob("*.kvbin"))
+    files = sorted(p.name[:64] for p in (store.root / "hot").rglob("*.kvbin"))  # <key hex>.<file id>.kvbin
     assert len(files) == len(set(files))
     shared_keys = store.block_key_chain("default", prompts[0][:shared_tokens])
     sessions = [store.session(f"agent-{i}") for i in range(3)]
@@ -178,7 +178,7 @@ def test_corrupt_block_is_recomputed(tiny: LoadedModel, open_store: Opener) -> N
     first = Engine(tiny, store).chat("s", turn1(), max_new_tokens=12)
     victim_key = store.session("s").block_keys[2]
     store.close()
-    path = next((store.root / "hot").rglob(f"{victim_key.hex()}.kvbin"))
+    path = next((store.root / "hot").rglob(f"{victim_key.hex()}*.kvbin"))
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))

@@ -17,9 +17,10 @@ from kvstrata import (
     LayoutMismatchError,
     SessionExistsError,
     SessionNotFoundError,
-    StoreBusyError,
+    StoreConfig,
     TierUnavailableError,
 )
+from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
 
@@ -174,24 +175,32 @@ def test_reopen_with_another_layout_is_a_clear_error(open_store: Factory, tmp_pa
         assert reopened.layout == LAYOUT  # no layout given: the recorded one
 
 
-def test_one_writer_at_a_time_and_safe_read_only_opens(open_store: Factory, tmp_path: Path) -> None:
+def test_many_writers_and_safe_read_only_opens(open_store: Factory, tmp_path: Path) -> None:
     owner = open_store()
     session = owner.create_session("live")
     owner.append(session, list(range(6)), token_kv(LAYOUT, list(range(6))))
     owner.checkpoint(session)
-    in_flight = tmp_path / "store" / "tmp" / "write-in-progress.tmp"
+    assert owner.processes is not None
+    # a write in progress of the live writer, and one of a writer that died (a registered token
+    # whose lock file nobody holds)
+    in_flight = tmp_path / "store" / "tmp" / f"{owner.processes.token}.ab.kvbin.1.tmp"
     in_flight.write_bytes(b"a live writer's temp file")
-    with pytest.raises(StoreBusyError, match="another process"):
-        KVStore(tmp_path / "store")
+    orphan = tmp_path / "store" / "tmp" / "host-999999-0badc0de.ab.kvbin.2.tmp"
+    orphan.write_bytes(b"a dead writer's temp file")
+    with KVStore(tmp_path / "store", config=StoreConfig(ladder=CodecLadder.exact())) as second:
+        # a second writer opens beside the first: the dead writer's temp file goes, the live one's stays
+        assert second.disk.removed_temp_files == 1 and in_flight.exists() and not orphan.exists()
+        other = second.create_session("other")
+        second.append(other, list(range(5)), token_kv(LAYOUT, list(range(5))))
+        second.checkpoint(other)
+        assert torch.equal(second.load(second.session("live")).kv, token_kv(LAYOUT, list(range(6))))  # type: ignore[arg-type]
+    assert owner.load(owner.session("other")).num_tokens == 5  # what the other process wrote
     with KVStore(tmp_path / "store", read_only=True) as reader:
-        assert [s.id for s in reader.list_sessions()] == ["live"]
+        assert [s.id for s in reader.list_sessions()] == ["live", "other"]
         assert torch.equal(reader.load(reader.session("live")).kv, token_kv(LAYOUT, list(range(6))))  # type: ignore[arg-type]
         with pytest.raises(KVStrataError, match="read-only"):
-            reader.create_session("other")
-    assert in_flight.exists()  # the reader left the owner's write alone
-    owner.close()
-    with KVStore(tmp_path / "store") as next_owner:  # the lock is released on close
-        assert next_owner.disk.removed_temp_files == 1
+            reader.create_session("third")
+    assert in_flight.exists()  # the reader left the writer's temp files alone
 
 
 def test_budgets_hold_under_a_long_write_stream(open_store: Factory) -> None:
@@ -353,7 +362,7 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         session = store.create_session("s")
         store.append(session, tokens, token_kv(layout, tokens))
         store.checkpoint(session)
-        foreign_files.append(store.disk.path_for(session.block_keys[1]).read_bytes())
+        foreign_files.append(store.disk.path_of(session.block_keys[1]).read_bytes())
         store.close()
     for i, foreign in enumerate(foreign_files):
         store = open_store(tmp_path / f"mine{i}", l1_budget_bytes=0, l2_budget_bytes=0)
@@ -361,7 +370,7 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         store.append(session, tokens, token_kv(LAYOUT, tokens))
         store.checkpoint(session)
         store.flush()
-        store.disk.path_for(session.block_keys[1]).write_bytes(foreign)
+        store.disk.path_of(session.block_keys[1]).write_bytes(foreign)
         loaded = store.load(session)
         assert loaded.missing_from_token == 4 and loaded.num_tokens == 4  # stops before the foreign block
         assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens[:4]))  # type: ignore[arg-type]

@@ -39,7 +39,9 @@ def block_keys(model: Path, tokens: list[int], namespace: str = "default") -> li
 
 
 def block_path(store: Path, key: bytes) -> Path:
-    return store / "hot" / key.hex()[:2] / f"{key.hex()}.kvbin"
+    """The block's file now (each write of a key gets a file of its own: <key>.<file id>.kvbin)."""
+    found = sorted((store / "hot" / key.hex()[:2]).glob(f"{key.hex()}*.kvbin"))
+    return found[-1] if found else store / "hot" / key.hex()[:2] / f"{key.hex()}.missing"
 
 
 def lookup(phase: dict, index: int) -> dict:
@@ -202,8 +204,9 @@ def test_corrupt_and_foreign_blocks_are_not_loaded(damaged_run, first_run, store
     assert phase["rounds"][1][0]["tokens"] == base["rounds"][2][0]["tokens"]
     quarantined = {p.name.split(".kvbin")[0] for p in (store_dir / "quarantine").iterdir()}
     assert {corrupt.stem, foreign.stem} <= quarantined
-    # the recomputed blocks were saved again, intact
-    assert corrupt.exists() and foreign.exists()
+    # the recomputed blocks were saved again, intact (in files of their own)
+    assert block_path(store_dir, bytes.fromhex(corrupt.name[:64])).exists()
+    assert block_path(store_dir, bytes.fromhex(foreign.name[:64])).exists()
     assert phase["events"]["blocks_saved"] >= 2
 
 

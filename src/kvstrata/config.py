@@ -102,7 +102,10 @@ class StoreConfig:
 class GcConfig:
     cold_after_s: float = 7 * DAY_S
     retention_s: float = 30 * DAY_S
+    grace_s: float = 600.0
+    """Unreferenced blocks and unindexed files younger than this are left alone: another process
+    sharing the store may be about to commit a session that names them."""
 
     def __post_init__(self) -> None:
-        if self.cold_after_s < 0 or self.retention_s < 0:
+        if self.cold_after_s < 0 or self.retention_s < 0 or self.grace_s < 0:
             raise ConfigError("gc ages must be >= 0")

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, hmac
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -55,6 +55,17 @@ class Keyring:
             ).derive(self.master_key)
             cipher = self._ciphers[namespace] = AESGCM(derived)
         return cipher
+
+    def check_value(self) -> str:
+        """A value that identifies the master key without revealing it (HKDF under its own label,
+        then HMAC of a constant): stored with the store, so that a wrong key is refused at open
+        instead of being discovered block by block."""
+        derived = HKDF(
+            algorithm=hashes.SHA256(), length=KEY_BYTES, salt=b"kvstrata-key-check-v1", info=b"check"
+        ).derive(self.master_key)
+        mac = hmac.HMAC(derived, hashes.SHA256())
+        mac.update(b"kvstrata encryption key check value")
+        return mac.finalize()[:16].hex()
 
     def seal(self, namespace: str, aad: bytes, plaintext: bytes) -> tuple[bytes, bytes]:
         nonce = os.urandom(NONCE_BYTES)

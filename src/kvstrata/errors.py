@@ -27,7 +27,11 @@ class StoreFormatError(KVStrataError):
 
 
 class StoreBusyError(KVStrataError):
-    """Another process has the store open for writing."""
+    """Another process holds what this one asked for (a session's lease, a maintenance lock)."""
+
+
+class SessionBusyError(StoreBusyError):
+    """Another live process is changing this session right now (it holds the session's lease)."""
 
 
 class CorruptBlockError(KVStrataError):

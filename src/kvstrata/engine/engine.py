@@ -16,6 +16,7 @@ One request goes through these steps:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -277,8 +278,15 @@ class Engine:
         # One request at a time: the model and the session state are not shared between requests.
         # Inference mode is entered per step (never across a yield), so that a stream's consumer
         # does not run its own code in inference mode.
+        # The session's lease is held for the whole request: another process sharing the store (a
+        # replica) gets SessionBusyError for it meanwhile instead of racing this one.
         realtime = request.priority is Priority.REALTIME and self._prefetcher is not None
-        with self._lock:
+        lease = (
+            self.store.leased(request.session_id, request.namespace)
+            if request.use_cache
+            else contextlib.nullcontext()
+        )
+        with self._lock, lease:
             if realtime:
                 self._prefetcher.realtime_started()  # background loading pauses meanwhile
             try:

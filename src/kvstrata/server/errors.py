@@ -19,6 +19,8 @@ from kvstrata.errors import (
     CorruptBlockError,
     KVStrataError,
     LayoutMismatchError,
+    SessionBusyError,
+    SessionConflictError,
     SessionExistsError,
     SessionNotFoundError,
     TierUnavailableError,
@@ -54,6 +56,8 @@ class APIError(Exception):
 _KVSTRATA_ERRORS: list[tuple[type[KVStrataError], int, str, str]] = [
     (SessionNotFoundError, 404, "invalid_request_error", "session_not_found"),
     (SessionExistsError, 409, "invalid_request_error", "session_exists"),
+    (SessionBusyError, 409, "invalid_request_error", "session_busy"),
+    (SessionConflictError, 409, "invalid_request_error", "session_conflict"),
     (CorruptBlockError, 422, "invalid_request_error", "corrupt_archive"),
     (LayoutMismatchError, 422, "invalid_request_error", "layout_mismatch"),
     (ConfigError, 400, "invalid_request_error", "invalid_value"),

@@ -68,6 +68,9 @@ class DiskWriter:
     def pending(self, key: BlockKey) -> KVBlock | None:
         return self._writer.pending(key)
 
+    def pending_bytes(self) -> int:
+        return self._writer.pending_bytes()
+
     def pending_keys(self) -> list[BlockKey]:
         return self._writer.pending_keys()
 

@@ -14,9 +14,7 @@ reading and writing a session's KV is :class:`~kvstrata.store.session_io.Session
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -27,9 +25,9 @@ from kvstrata.errors import (
     ConfigError,
     CorruptBlockError,
     KVStrataError,
+    SessionConflictError,
     SessionExistsError,
     SessionNotFoundError,
-    StoreBusyError,
     StoreFormatError,
 )
 from kvstrata.keys import BlockKey, chain_key, root_key
@@ -38,7 +36,10 @@ from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.index import Index
+from kvstrata.store.keycheck import check_encryption_key
+from kvstrata.store.leasing import Leasing
 from kvstrata.store.placement import TieredStore
+from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.session_io import LoadedKV, SessionIO
 from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
 from kvstrata.store.stats import StoreStats
@@ -56,23 +57,40 @@ __all__ = ["DEFAULT_NAMESPACE", "KVStore", "LoadedKV", "build_tiers"]
 
 
 def build_tiers(
-    root: Path, layout: KVLayout, index: Index, config: StoreConfig, *, read_only: bool = False
+    root: Path,
+    layout: KVLayout,
+    index: Index,
+    config: StoreConfig,
+    *,
+    read_only: bool = False,
+    processes: ProcessRegistry | None = None,
 ) -> tuple[list[Tier], DiskTier, RedisTier | None]:
     """The tiers ``config`` asks for: L1 on ``config.device`` and the L2 arena (empty when their
-    budget is 0), L3 in ``root``, and L4 on Redis for a writable store with a remote tier."""
+    budget is 0), L3 in ``root``, and L4 on Redis for a writable store with a remote tier.
+    ``processes``: this process's registration (names its temp files, tells whose are dead)."""
     keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
     memory: list[Tier] = [
         DeviceTier(layout, config.l1_budget_bytes, config.device),
         HostTier(layout, config.l2_budget_bytes, pin_memory=config.pin_host_memory),
     ]
-    disk = DiskTier(root, layout, index, config.l3_budget_bytes, read_only=read_only, keyring=keyring)
+    disk = DiskTier(
+        root,
+        layout,
+        index,
+        config.l3_budget_bytes,
+        read_only=read_only,
+        keyring=keyring,
+        writer_token=processes.token if processes is not None else "",
+        writer_nonce=processes.nonce if processes is not None else "00000000",
+        alive=processes.alive if processes is not None else None,
+    )
     remote = (
         RedisTier(config.remote, layout, keyring) if config.remote is not None and not read_only else None
     )
     return memory, disk, remote
 
 
-class KVStore(SessionIO):
+class KVStore(Leasing, SessionIO):
     def __init__(
         self,
         root: Path | str | None = None,
@@ -84,10 +102,10 @@ class KVStore(SessionIO):
     ) -> None:
         """Open (or create) the store at ``root``.
 
-        A writable store is owned by one process at a time (an exclusive lock on ``owner.lock``,
-        released by the kernel even on ``kill -9``); a second writer gets ``StoreBusyError``.
-        ``read_only=True`` takes no lock, never writes and never cleans up, so it is safe to
-        inspect a store another process is using.
+        Many processes may open one store read-write at once (see docs/architecture.md, "Many
+        processes"): each registers itself (``procs/``), appends to a session only while it holds
+        the session's lease, and commits sessions by compare-and-set. ``read_only=True`` never
+        writes and never cleans up, so it is safe for inspection commands.
         """
         started = time.perf_counter()
         self.root = Path(root) if root is not None else default_store_dir()
@@ -95,14 +113,18 @@ class KVStore(SessionIO):
         if read_only and not (self.root / "index.sqlite").exists():
             raise StoreFormatError(f"no kvstrata store at {self.root}")
         self.root.mkdir(parents=True, exist_ok=True)
-        self._owner_lock = None if read_only else _acquire_owner_lock(self.root)
+        self.processes = None if read_only else ProcessRegistry(self.root)
+        self._leases: dict[tuple[str, str], float] = {}
+        self._lease_depth: dict[tuple[str, str], int] = {}
+        self.index: Index | None = None
         try:
             self.config = config or StoreConfig()
             self.index = Index(self.root / "index.sqlite", layout, read_only=read_only)
             self.layout = self.index.layout
             self.model_fingerprint = model_fingerprint
+            check_encryption_key(self.root, self.index, self.config.encryption_key, read_only=read_only)
             memory, disk, remote = build_tiers(
-                self.root, self.layout, self.index, self.config, read_only=read_only
+                self.root, self.layout, self.index, self.config, read_only=read_only, processes=self.processes
             )
             self.disk = disk
             self.tiered = TieredStore(
@@ -114,7 +136,10 @@ class KVStore(SessionIO):
                 encrypted=self.config.encryption_key is not None,
             )
         except BaseException:
-            self._release_owner_lock()
+            if self.index is not None:
+                self.index.close()
+            if self.processes is not None:
+                self.processes.close()
             raise
         self._sessions: dict[tuple[str, str], Session] = {}
         self.checkpoints = 0
@@ -125,11 +150,6 @@ class KVStore(SessionIO):
         if self.read_only:
             raise KVStrataError(f"store {self.root} was opened read-only")
 
-    def _release_owner_lock(self) -> None:
-        if self._owner_lock is not None:
-            os.close(self._owner_lock)  # closing the descriptor releases the flock
-            self._owner_lock = None
-
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         from kvstrata.store import stats
@@ -137,10 +157,12 @@ class KVStore(SessionIO):
         if self.index.closed:
             return
         self.tiered.close()
-        if not self.read_only:
+        if self.processes is not None:
             stats.persist(self)
+            self.index.leases.release_all(self.processes.token)
         self.index.close()
-        self._release_owner_lock()
+        if self.processes is not None:
+            self.processes.close()
 
     def stats(self) -> StoreStats:
         from kvstrata.store import stats
@@ -299,12 +321,20 @@ class KVStore(SessionIO):
             ttl_s=ttl_s,
             pinned=pinned,
         )
+        try:
+            self._commit(session)
+        except SessionConflictError:  # another process created it a moment ago
+            existing = self._find(namespace, session_id)
+            if existing is not None and exist_ok:
+                return existing
+            raise SessionExistsError(f"session {namespace}/{session_id} already exists") from None
         self._sessions[(namespace, session_id)] = session
-        self._commit(session)
         return session
 
     def _find(self, namespace: str, session_id: str) -> Session | None:
         session = self._sessions.get((namespace, session_id))
+        if session is not None and not self.fresh(session):
+            session = None  # another process checkpointed (or deleted) it since: read it again
         if session is None:
             row = self.index.sessions.get(namespace, session_id)
             session = Session.from_row(row) if row is not None else None
@@ -312,10 +342,14 @@ class KVStore(SessionIO):
             # another engine continued the session since this one last saw it: take its version
             if remote is not None and (session is None or remote.remote_version > session.remote_version):
                 remote.checkpointed_tokens = remote.num_tokens
+                # committed here over whatever this store's index holds (compare-and-set on that)
+                remote.committed_version = session.committed_version if session is not None else None
+                remote.version = session.version + 1 if session is not None else 0
                 session = remote
                 if not self.read_only:
                     self._commit(session)
             if session is None:
+                self._sessions.pop((namespace, session_id), None)
                 return None
             self._sessions[(namespace, session_id)] = session
         return session
@@ -368,7 +402,10 @@ class KVStore(SessionIO):
         return list(self._sessions.values())
 
     def delete_session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
-        self._writable()
+        with self.leased(session_id, namespace):
+            return self._delete_session(session_id, namespace)
+
+    def _delete_session(self, session_id: str, namespace: str) -> bool:
         session = self._sessions.pop((namespace, session_id), None)
         window = self.config.ladder.recent_blocks
         if session is not None and window:
@@ -403,19 +440,3 @@ class KVStore(SessionIO):
         self._sessions[(child.namespace, child.id)] = child
         self.checkpoint(child)
         return child
-
-
-def _acquire_owner_lock(root: Path) -> int:
-    fd = os.open(root / "owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise StoreBusyError(
-            f"store {root} is open for writing in another process (pid {holder}); stop it, or use a "
-            "read-only command (store stats, sessions list/show)"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd

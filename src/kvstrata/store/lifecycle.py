@@ -1,23 +1,44 @@
-"""Garbage collection: age blocks from ``hot/`` to ``cold/``, expire sessions, drop unreferenced
-blocks and orphan files.
+"""Garbage collection: expire sessions, drop unreferenced blocks and orphan files, age blocks from
+``hot/`` to ``cold/``; safe while other processes use the store.
 
 Order matters for crash safety: sessions are deleted first (a crash after that leaves blocks
 that are merely unreferenced, collected next time); a block's index row goes before its file (a
 crash in between leaves an orphan file, which the orphan sweep here removes).
+
+Other processes may be writing meanwhile, so:
+- one gc at a time (``gc.lock``); a session another process is serving (its lease is held) is
+  not expired under it;
+- the blocks to delete are chosen and their rows deleted in ONE index transaction that also reads
+  every session's block keys: no session can be committed between the choice and the deletion
+  naming a block deleted then (a checkpoint committed afterwards checks that its blocks still have
+  rows, and writes back any that went, see ``SessionIO._checkpoint``);
+- blocks and files younger than ``grace_s`` are left alone (a session still being written in
+  another process may name them at its next checkpoint);
+- a reader whose block vanished treats it as missing and recomputes, never as corruption.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvstrata.codecs import CodecId, get_codec
 from kvstrata.config import GcConfig
-from kvstrata.errors import KVStrataError
+from kvstrata.errors import KVStrataError, SessionBusyError, StoreBusyError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store import KVStore
+from kvstrata.store.index.block_rows import Placement
+from kvstrata.store.tiers.disk import parse_file_name
+
+_LIVE_WRITER_GRACE_S = 3600.0
+"""An unindexed file of a live process is left alone this long (its commit may be on the way)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,24 +51,81 @@ class GcReport:
     """Of those moved to cold/, how many were re-encoded with the ladder's archive codec."""
     orphan_files_removed: int
     seconds: float
+    sessions_busy: int = 0
+    """Expired sessions left alone because another process was serving them."""
+
+
+@contextlib.contextmanager
+def maintenance_lock(store: KVStore, name: str = "gc") -> Iterator[None]:
+    """One maintenance pass of ``name`` at a time over a store (``StoreBusyError`` otherwise)."""
+    fd = os.open(store.root / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreBusyError(f"another `kvstrata {name}` is running on {store.root}") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: float | None = None) -> GcReport:
     config = config or GcConfig()
     started = time.perf_counter()
     now = time.time() if now is None else now
-    store.flush()
+    with maintenance_lock(store):
+        store.flush()
+        deleted, busy = _expire_sessions(store, config, now)
+        doomed = _delete_unreferenced(store, now - config.grace_s)
+        bytes_freed = sum(placement.nbytes for placement in doomed.values())
+        for key, placement in doomed.items():  # rows are gone: now their files
+            store.disk.unlink_removed(key, placement)
+        moved, archived = _age_to_cold(store, config, now)
+        orphans = _remove_orphans(store, now - config.grace_s)
+    return GcReport(
+        deleted,
+        len(doomed),
+        bytes_freed,
+        moved,
+        archived,
+        orphans,
+        time.perf_counter() - started,
+        busy,
+    )
 
-    sessions_deleted = 0
+
+def _expire_sessions(store: KVStore, config: GcConfig, now: float) -> tuple[int, int]:
+    deleted = busy = 0
     for info in store.list_sessions():
         if not info.pinned and (
             (info.ttl_s is not None and now - info.last_access > info.ttl_s)
             or now - info.last_access > config.retention_s
         ):
-            store.delete_session(info.id, info.namespace)
-            sessions_deleted += 1
+            try:
+                store.delete_session(info.id, info.namespace)
+            except SessionBusyError:
+                busy += 1  # in use by another process right now: not idle after all
+                continue
+            deleted += 1
+    return deleted, busy
 
-    # per referenced block: the most demanding (priority, pinned) among the sessions using it
+
+def _delete_unreferenced(store: KVStore, older_than: float) -> dict[BlockKey, Placement]:
+    live = {key for session in store.live_sessions() for key in session.all_keys()}
+
+    def referenced(db: sqlite3.Connection) -> set[bytes]:
+        keys = set(live)  # appended in this process since their last checkpoint
+        for block_keys, tail_key in db.execute("SELECT block_keys, tail_key FROM sessions"):
+            keys.update(block_keys[i : i + KEY_BYTES] for i in range(0, len(block_keys), KEY_BYTES))
+            if tail_key is not None:
+                keys.add(tail_key)
+        return keys
+
+    return store.index.blocks.delete_unreferenced(referenced, older_than)
+
+
+def _referenced_classes(store: KVStore) -> dict[bytes, tuple[Priority, bool]]:
+    """Per referenced block: the most demanding (priority, pinned) among the sessions using it."""
     referenced: dict[bytes, tuple[Priority, bool]] = {}
 
     def reference(key: bytes, priority: Priority, pinned: bool) -> None:
@@ -64,31 +142,46 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
     for session in store.live_sessions():  # appended since their last checkpoint
         for key in session.all_keys():
             reference(key, session.priority, session.pinned)
+    return referenced
 
-    l3 = store.disk
-    blocks_deleted = bytes_freed = moved = archived = 0
-    for row in l3.rows():
-        if row.key not in referenced:
-            bytes_freed += row.nbytes
-            store.tiered.remove(row.key)
-            blocks_deleted += 1
-        elif not row.cold and now - row.last_access > config.cold_after_s:
+
+def _age_to_cold(store: KVStore, config: GcConfig, now: float) -> tuple[int, int]:
+    referenced = _referenced_classes(store)
+    moved = archived = 0
+    for row in store.disk.rows():
+        if row.key in referenced and not row.cold and now - row.last_access > config.cold_after_s:
             archived += _archive(store, row.key, row.codec, *referenced[row.key])
-            moved += l3.set_cold(row.key, True)
+            moved += store.disk.set_cold(row.key, True)
+    return moved, archived
 
+
+def _remove_orphans(store: KVStore, older_than: float) -> int:
+    """Files the index does not name (a write that crashed before its commit). A file of a process
+    that still has the store open may be a write between its rename and its commit: it is left
+    alone (for an hour at most); so are files younger than the grace period."""
     orphans = 0
-    for path, cold in l3.iter_files():
+    registry = store.processes
+    for path, cold in store.disk.iter_files():
+        parsed = parse_file_name(path.name)
+        file_id = ""
+        if parsed is not None:
+            key, file_id = parsed
+            placement = store.index.blocks.placement(key)  # the index, not this process's cache
+            if placement is not None and (placement.cold, placement.file_id) == (cold, file_id):
+                continue
         try:
-            key = BlockKey(bytes.fromhex(path.name.removesuffix(".kvbin")))
-        except ValueError:
-            key = BlockKey(b"")
-        # a file the index does not name (or names in the other directory) was never committed
-        if l3.is_cold(key) != cold and not store.tiered.disk_writer.is_pending(key):
-            path.unlink(missing_ok=True)
-            orphans += 1
-    return GcReport(
-        sessions_deleted, blocks_deleted, bytes_freed, moved, archived, orphans, time.perf_counter() - started
-    )
+            mtime = path.stat().st_mtime
+            if mtime >= older_than:
+                continue
+            writer = file_id[:8]
+            live = writer and registry is not None and registry.alive_nonce(writer)
+            if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        orphans += 1
+    return orphans
 
 
 def _archive(store: KVStore, key: BlockKey, codec: int, priority: Priority, pinned: bool) -> int:

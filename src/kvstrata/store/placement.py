@@ -459,9 +459,10 @@ class TieredStore:
     def usage(self) -> TierUsage:
         parts = [t.usage() for t in self.tiers]
         budgets = [u.budget_bytes for u in parts]
+        queued = self.disk_writer.pending_bytes()  # on its way to L3
         return TierUsage(
             sum(1 for _ in self.keys()),
-            sum(u.used_bytes for u in parts),
-            sum(u.stored_bytes for u in parts),
+            sum(u.used_bytes for u in parts) + queued,
+            sum(u.stored_bytes for u in parts) + queued,
             None if any(b is None for b in budgets) else sum(b or 0 for b in budgets),
         )

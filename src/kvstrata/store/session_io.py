@@ -25,6 +25,7 @@ from kvstrata.store.tiers.base import TierLevel
 if TYPE_CHECKING:
     from kvstrata.store.index import Index
     from kvstrata.store.placement import TieredStore
+    from kvstrata.store.tiers.disk import DiskTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,17 +41,23 @@ class LoadedKV:
     for the tokens to come, so that a cache can adopt it instead of copying the KV again)."""
 
 
+_CHECKPOINT_ATTEMPTS = 3
+
+
 class SessionIO:
     layout: KVLayout
     config: StoreConfig
     index: Index
     tiered: TieredStore
+    disk: DiskTier
     checkpoints: int
     checkpoint_seconds: float
 
-    if TYPE_CHECKING:  # provided by KVStore
+    if TYPE_CHECKING:  # provided by KVStore and Leasing
 
         def _writable(self) -> None: ...
+
+        def _claim(self, namespace: str, session_id: str, *, force: bool = False) -> None: ...
 
         def root_key(self, namespace: str) -> BlockKey: ...
 
@@ -62,7 +69,7 @@ class SessionIO:
         whoever wrote them first); the remainder becomes the session's tail block. A checkpoint
         is taken every ``checkpoint_every_tokens`` tokens.
         """
-        self._writable()
+        self._claim(session.namespace, session.id)
         new_tokens = [int(t) for t in token_ids]
         if kv.dim() != 5 or kv.shape[3] != len(new_tokens):
             raise ConfigError(f"kv must have shape (2, L, H, {len(new_tokens)}, D), got {tuple(kv.shape)}")
@@ -127,7 +134,7 @@ class SessionIO:
 
     def truncate(self, session: Session, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens (for an edited history)."""
-        self._writable()
+        self._claim(session.namespace, session.id)
         if not 0 <= num_tokens <= session.num_tokens:
             raise ConfigError(f"cannot truncate {session.num_tokens} tokens to {num_tokens}")
         if num_tokens == session.num_tokens:
@@ -237,7 +244,7 @@ class SessionIO:
     def checkpoint(self, session: Session) -> None:
         """Make the session's blocks durable in L3, then commit its index row (in that order, so
         a committed session never names a block that is not on disk)."""
-        self._writable()
+        self._claim(session.namespace, session.id)
         started = time.perf_counter()
         try:
             self._checkpoint(session)
@@ -246,15 +253,29 @@ class SessionIO:
             self.checkpoint_seconds += time.perf_counter() - started
 
     def _checkpoint(self, session: Session) -> None:
-        missing = self.tiered.make_durable(session.all_keys())
-        if missing:
+        keys = session.all_keys()
+        for _ in range(_CHECKPOINT_ATTEMPTS):
+            missing = self.tiered.make_durable(keys)
+            if missing:
+                raise TierUnavailableError(
+                    f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not "
+                    f"be written to L3 ({self.tiered.disk_writer.outage or 'not found in any tier'}); the "
+                    "previous checkpoint stays valid"
+                )
+            session.version += 1
+            # the commit checks, in its transaction, that every block still has its row: another
+            # process's gc or eviction may have removed one since it was written
+            gone = self._commit(session, required=keys)
+            if not gone:
+                break
+            session.version -= 1
+            for key in gone:
+                self.disk.forget_cached(BlockKey(key))  # written again from memory next round
+        else:
             raise TierUnavailableError(
-                f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not be "
-                f"written to L3 ({self.tiered.disk_writer.outage or 'not found in any tier'}); the previous "
-                "checkpoint stays valid"
+                f"checkpoint of {session.namespace}/{session.id} failed: its blocks kept being removed by "
+                "another process (gc or eviction); the previous checkpoint stays valid"
             )
-        session.version += 1
-        self._commit(session)
         session.checkpointed_tokens = session.num_tokens
         self._publish(session)
 
@@ -273,5 +294,11 @@ class SessionIO:
         session.remote_version = version
         self._commit(session)
 
-    def _commit(self, session: Session) -> None:
-        self.index.sessions.put(session.to_row())
+    def _commit(self, session: Session, required: Sequence[bytes] = ()) -> list[bytes]:
+        """Commit the session's row by compare-and-set on the version this process last saw
+        (``SessionConflictError`` when another process committed since); the ``required`` block
+        keys that have no row are returned instead (nothing written)."""
+        missing = self.index.sessions.commit(session.to_row(), session.committed_version, required)
+        if not missing:
+            session.committed_version = session.version
+        return missing

@@ -93,6 +93,10 @@ class Session:
     tokens from ``lineage_from`` on was computed over a pruned context, and their blocks are keyed
     apart from exact ones (:func:`kvstrata.keys.pruned_parent`). None: every block is exact."""
     lineage_from: int | None = None
+    committed_version: int | None = None
+    """The version of the index row this process last read or wrote (None: never committed):
+    commits compare-and-set on it, so a stale copy never overwrites another process's newer
+    checkpoint. Not a column."""
 
     @property
     def pruned(self) -> bool:
@@ -140,6 +144,7 @@ class Session:
             tail_key=BlockKey(row.tail_key) if row.tail_key is not None else None,
             priority=Priority.parse(row.priority),
             checkpointed_tokens=row.num_tokens,
+            committed_version=row.version,
         )
         return cls(**values)
 

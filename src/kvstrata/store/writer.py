@@ -77,6 +77,10 @@ class BackgroundWriter:
         with self._cond:
             return self._queue.get(key) or self._inflight.get(key)
 
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._queued_bytes
+
     def pending_keys(self) -> list[BlockKey]:
         with self._cond:
             return [*self._queue, *self._inflight]

@@ -1,8 +1,12 @@
 """The store's index (one SQLite file): its metadata, the L3 block rows and the session rows.
 
 :class:`Index` opens the file (:mod:`.db`), creates or migrates the tables, checks the layout,
-and gives the two tables: ``index.blocks`` (:mod:`.block_rows`) and ``index.sessions``
-(:mod:`.session_rows`).
+and gives the tables: ``index.blocks`` (:mod:`.block_rows`), ``index.sessions``
+(:mod:`.session_rows`) and ``index.leases`` (:mod:`.leases`). Every process that has the store
+open uses the same file; SQLite (WAL, short write transactions, a busy timeout) serializes them.
+
+Format history: 1, the first; 2 adds a namespace per block row, per-namespace usage totals and
+session leases (a store of format 1 is migrated in one transaction when a writer opens it).
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from pathlib import Path
 
 from kvstrata.errors import StoreFormatError
 from kvstrata.layout import KVLayout
-from kvstrata.store.index import block_rows, session_rows
+from kvstrata.store.index import block_rows, leases, session_rows
 from kvstrata.store.index.block_rows import BlockRow, BlockTable
-from kvstrata.store.index.db import META_SCHEMA, IndexDB
+from kvstrata.store.index.db import INDEX_FORMAT_VERSION, META_SCHEMA, IndexDB
+from kvstrata.store.index.leases import LeaseTable
 from kvstrata.store.index.session_rows import SessionRow, SessionTable
 
 __all__ = ["BlockRow", "Index", "SessionRow"]
@@ -24,14 +29,18 @@ class Index:
         self.db = IndexDB(path, read_only=read_only)
         try:
             if not read_only:
-                self.db.executescript(META_SCHEMA + block_rows.SCHEMA + session_rows.SCHEMA)
+                self.db.executescript(META_SCHEMA + block_rows.SCHEMA + session_rows.SCHEMA + leases.SCHEMA)
             elif not self.db.columns("meta"):
                 raise StoreFormatError(f"{path} holds no kvstrata index")
+            self.layout, version = self.db.check_layout(layout)
             self.blocks = BlockTable(self.db)
             self.sessions = SessionTable(self.db)
+            self.leases = LeaseTable(self.db)
             if not read_only:
                 self.sessions.migrate()
-            self.layout = self.db.check_layout(layout)
+                if version < INDEX_FORMAT_VERSION:
+                    self.blocks.migrate()
+                    self.db.set_meta("format_version", str(INDEX_FORMAT_VERSION))
         except BaseException:
             self.db.close()
             raise

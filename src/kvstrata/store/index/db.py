@@ -19,7 +19,7 @@ from typing import Any
 from kvstrata.errors import LayoutMismatchError, StoreFormatError
 from kvstrata.layout import KVLayout
 
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2
 APPLICATION_ID = 0x4B565354  # "KVST": marks the SQLite file as ours
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
@@ -112,8 +112,10 @@ class IndexDB:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES (?, ?)", (name, value))
 
-    def check_layout(self, layout: KVLayout | None) -> KVLayout:
-        """The store's layout: recorded on first open, checked against ``layout`` afterwards."""
+    def check_layout(self, layout: KVLayout | None) -> tuple[KVLayout, int]:
+        """The store's layout and index format: recorded on first open, checked against
+        ``layout`` afterwards. A format newer than this build's is refused; an older one is
+        returned for the caller to migrate."""
         meta = dict(self.query("SELECT name, value FROM meta"))
         if not meta:
             if layout is None:
@@ -129,11 +131,11 @@ class IndexDB:
                         ("created", repr(time.time())),
                     ],
                 )
-            return layout
+            return layout, INDEX_FORMAT_VERSION
         version = int(meta.get("format_version", "0"))
-        if version != INDEX_FORMAT_VERSION:
+        if not 1 <= version <= INDEX_FORMAT_VERSION:
             raise StoreFormatError(
-                f"{self.path}: index format {version}, this build reads {INDEX_FORMAT_VERSION}"
+                f"{self.path}: index format {version}, this build reads 1 to {INDEX_FORMAT_VERSION}"
             )
         stored = KVLayout.from_json(meta["layout"])
         if layout is not None and layout.fingerprint != stored.fingerprint:
@@ -141,7 +143,7 @@ class IndexDB:
                 f"store {self.path.parent} holds layout {stored.describe()}, "
                 f"asked to open it with {layout.describe()}"
             )
-        return stored
+        return stored, version
 
     def close(self) -> None:
         with self.lock:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvstrata.errors import SessionConflictError
 
 if TYPE_CHECKING:
     from kvstrata.store.index.db import IndexDB
@@ -102,6 +104,45 @@ class SessionTable:
     def put(self, row: SessionRow) -> None:
         with self.db.transaction() as db:
             db.execute(_INSERT, dataclasses.astuple(row))
+
+    def commit(
+        self, row: SessionRow, expected_version: int | None, required_keys: Sequence[bytes] = ()
+    ) -> list[bytes]:
+        """Write ``row`` in one transaction if the stored row's version is ``expected_version``
+        (None: no row may exist yet) and every key of ``required_keys`` has a block row. Returns
+        the required keys that have no row (nothing written then: another process removed those
+        blocks); raises ``SessionConflictError`` when the stored version is another."""
+        with self.db.transaction() as db:
+            stored = db.execute(
+                "SELECT version FROM sessions WHERE namespace = ? AND id = ?", (row.namespace, row.id)
+            ).fetchone()
+            stored_version = stored[0] if stored is not None else None
+            if stored_version != expected_version:
+                raise SessionConflictError(
+                    f"session {row.namespace}/{row.id} was changed by another process (stored version "
+                    f"{stored_version}, this process expected {expected_version}); reopen it"
+                )
+            missing: list[bytes] = []
+            unique = list(dict.fromkeys(required_keys))
+            for i in range(0, len(unique), 500):
+                chunk = unique[i : i + 500]
+                found = {
+                    r[0]
+                    for r in db.execute(
+                        f"SELECT key FROM blocks WHERE key IN ({', '.join('?' * len(chunk))})", chunk
+                    ).fetchall()
+                }
+                missing += [k for k in chunk if k not in found]
+            if missing:
+                return missing
+            db.execute(_INSERT, dataclasses.astuple(row))
+        return []
+
+    def version(self, namespace: str, session_id: str) -> int | None:
+        row = self.db.query_one(
+            "SELECT version FROM sessions WHERE namespace = ? AND id = ?", (namespace, session_id)
+        )
+        return int(row[0]) if row else None
 
     def get(self, namespace: str, session_id: str) -> SessionRow | None:
         row = self.db.query_one(

@@ -1,0 +1,70 @@
+"""The ``session_leases`` table: which process may append to a session right now.
+
+Many processes share one store, so two of them could serve the same agent at once (two replicas
+behind a load balancer, a retry that reached another replica). A lease makes them take turns:
+before changing a session a process takes its lease (one row: owner token and expiry, written in
+one SQLite transaction), and it gives it back when done. A lease whose owner died (its process
+lock is free, see :mod:`kvstrata.store.processes`) or expired (a hung owner) can be taken over at
+once; the hung owner then fails its next commit cleanly, because session commits also check the
+row's version (compare-and-set), so no process ever overwrites a newer checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstrata.store.index.db import IndexDB
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS session_leases (
+    namespace TEXT NOT NULL,
+    id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    expires REAL NOT NULL,
+    PRIMARY KEY (namespace, id)
+) WITHOUT ROWID;
+"""
+
+
+class LeaseTable:
+    def __init__(self, db: IndexDB) -> None:
+        self.db = db
+
+    def acquire(
+        self, namespace: str, session_id: str, owner: str, ttl_s: float, alive: Callable[[str], bool]
+    ) -> str | None:
+        """Take (or renew) the lease; None on success, else the live owner that holds it."""
+        now = time.time()
+        with self.db.transaction() as db:
+            row = db.execute(
+                "SELECT owner, expires FROM session_leases WHERE namespace = ? AND id = ?",
+                (namespace, session_id),
+            ).fetchone()
+            if row is not None and row[0] != owner and row[1] > now and alive(row[0]):
+                return str(row[0])
+            db.execute(
+                "INSERT OR REPLACE INTO session_leases VALUES (?, ?, ?, ?)",
+                (namespace, session_id, owner, now + ttl_s),
+            )
+        return None
+
+    def release(self, namespace: str, session_id: str, owner: str) -> None:
+        with self.db.transaction() as db:
+            db.execute(
+                "DELETE FROM session_leases WHERE namespace = ? AND id = ? AND owner = ?",
+                (namespace, session_id, owner),
+            )
+
+    def release_all(self, owner: str) -> None:
+        with self.db.transaction() as db:
+            db.execute("DELETE FROM session_leases WHERE owner = ?", (owner,))
+
+    def holder(self, namespace: str, session_id: str) -> tuple[str, float] | None:
+        row = self.db.query_one(
+            "SELECT owner, expires FROM session_leases WHERE namespace = ? AND id = ?",
+            (namespace, session_id),
+        )
+        return (str(row[0]), float(row[1])) if row else None

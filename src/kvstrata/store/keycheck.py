@@ -1,0 +1,69 @@
+"""Refusing a wrong or missing encryption key at open, before anything is read or changed.
+
+An encrypted store records a check value of its master key (never the key: see
+:meth:`kvstrata.crypto.Keyring.check_value`) in its index. A process that opens it with another
+key is refused with one line, and one that opens it for writing with no key at all likewise: a
+misconfigured replica must not find out block by block (every read failing authentication) or,
+worse, write blocks in the clear beside sealed ones. A store encrypted before check values were
+recorded gets one on its first open with a key that opens one of its sealed blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from kvstrata.crypto import Keyring
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError
+from kvstrata.store.index import Index
+from kvstrata.store.kvbin import FLAG_ENCRYPTED, decode_record, parse_header
+from kvstrata.store.tiers.disk import block_path
+
+KEY_CHECK_META = "encryption_key_check"
+_SAMPLE_BLOCKS = 64
+
+
+def check_encryption_key(root: Path, index: Index, key: bytes | None, *, read_only: bool) -> None:
+    stored = index.get_meta(KEY_CHECK_META)
+    if key is None:
+        if stored is not None and not read_only:
+            raise EncryptionKeyError(
+                f"store {root} is encrypted at rest: give its key (KVSTRATA_ENCRYPTION_KEY, or "
+                "StoreConfig.encryption_key) to open it for writing"
+            )
+        return
+    keyring = Keyring(key)
+    value = keyring.check_value()
+    if stored is not None:
+        if stored != value:
+            raise EncryptionKeyError(
+                f"wrong encryption key for store {root}: it was written with another key; nothing was "
+                "read or changed (set the right KVSTRATA_ENCRYPTION_KEY)"
+            )
+        return
+    if read_only:
+        return
+    if not _opens_a_sealed_block(root, index, keyring):
+        raise EncryptionKeyError(
+            f"wrong encryption key for store {root}: its sealed blocks do not open with it; nothing was "
+            "changed (set the right KVSTRATA_ENCRYPTION_KEY)"
+        )
+    index.set_meta(KEY_CHECK_META, value)
+
+
+def _opens_a_sealed_block(root: Path, index: Index, keyring: Keyring) -> bool:
+    """True unless a sealed block of the store fails to open with ``keyring`` (a store with no
+    sealed block, or none readable, accepts the key)."""
+    for row in itertools.islice(index.blocks, _SAMPLE_BLOCKS):
+        try:
+            data = block_path(root, row.key, row.cold, row.file_id).read_bytes()
+            if not parse_header(data).flags & FLAG_ENCRYPTED:
+                continue
+        except (OSError, CorruptBlockError):
+            continue
+        try:
+            decode_record(data, keyring=keyring)
+        except CorruptBlockError:
+            return False
+        return True
+    return True
