@@ -3,7 +3,7 @@ vLLM's built-in ExampleConnector (issue #9, acceptance 5).
 
 Run with the vLLM virtual environment (``bash scripts/make_vllm_venv.sh`` makes it)::
 
-    .venv-vllm/bin/python benchmarks/vllm_connector.py [--repeats 5] [--layers 8 --hidden 512]
+    .venv-vllm/bin/python -m kvstrata.bench.vllm_connector [--repeats 5] [--layers 8 --hidden 512]
 
 Four engines run side by side, each in its own process, on the same random-weight Llama (saved
 locally; nothing is downloaded), all with vLLM's own prefix cache off so that only the connector
