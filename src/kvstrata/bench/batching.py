@@ -4,8 +4,8 @@ single-sequence decoding, side by side in one run.
 For each weight dtype (``--dtypes``) and each session count N of ``--sessions``, N sessions hold
 histories of different lengths, spread evenly over ``--history MIN:MAX`` tokens (the KV of real
 public-domain text, prefilled once; each session starts from a prefix of it, as a restore from
-the store gives it). Each session feeds the next text token and then decodes ``--steps`` tokens
-greedily, in one of these ways (in an order that rotates from one N to the next):
+the store gives it). Each session feeds the next text token and then decodes greedily for
+``--steps`` steps, in each of these ways:
 
 - ``serial``: one session after the other, each step a one-token forward on the session's own
   cache (the engine's step today: one request at a time);
@@ -15,12 +15,16 @@ greedily, in one of these ways (in an order that rotates from one N to the next)
   one ``(N, H, Lmax, D)`` cache with an attention mask; the copy into that batch tensor is timed
   apart (``build``).
 
-Aggregate throughput is N x steps over the time of all steps; the inter-token latency of a
-request is the time of one step while it runs (in ``serial``, a request also waits for the
-requests before it, which this does not count). ``same tokens`` says whether the batched rows
-picked the tokens the serial sessions picked. ``mixed step`` is a batched step in which a new
-session prefills a ``--chunk``-token prompt chunk beside the N decoding ones: what chunked
-prefill costs the decoders in that step.
+The variants run interleaved, step by step (in an order that rotates), so that load from other
+processes on a shared machine falls on all of them alike. Aggregate throughput is N x steps over
+the time of all steps; the speedup is serial time over batched time (and, more robust to bursts
+of load, the ratio of the median step round). The inter-token latency (ITL) of a request is the
+time of one step while it runs (in ``serial``, a request also waits for the requests before it,
+which this does not count). ``same tokens`` says whether the batched rows picked the tokens the
+serial sessions picked. ``mixed step`` is a batched step in which a new session prefills a
+``--chunk``-token prompt chunk beside the N decoding ones: what chunked prefill costs the
+decoders in that step. On a machine shared with other work, ``--threads 1`` avoids the stalls of
+a thread pool waiting for a descheduled thread, which otherwise dominate small steps.
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ def run(
     variants = [SERIAL, BATCHED] + ([PADDED] if padded else [])
     per_dtype: dict[str, Any] = {}
     with progress_bar(progress) as bar:
-        task = bar.add_task("batching", total=len(names) * (1 + len(counts) * len(variants)))
+        task = bar.add_task("batching", total=len(names) * (1 + len(counts) * steps))
         for name in names:
             bar.update(task, description=f"batching: load {name}")
             loaded = load_model(
@@ -177,13 +181,12 @@ def run(
             bar.advance(task)
             results = {}
             with frozen_heap(), torch.inference_mode():
-                for i, n in enumerate(counts):
+                for n in counts:
+                    bar.update(task, description=f"batching: {name}, {n} sessions")
                     lengths = histories(n, *history)
-                    entry: dict[str, Any] = {"histories": lengths}
-                    for variant in rotate(variants, i):
-                        bar.update(task, description=f"batching: {name}, {n} sessions, {variant}")
-                        entry[variant] = _MEASURE[variant](loaded.model, kv, text, lengths, steps, chunk)
-                        bar.advance(task)
+                    entry = _measure(
+                        loaded.model, kv, text, lengths, steps, chunk, variants, lambda: bar.advance(task)
+                    )
                     results[str(n)] = _summarize(entry, n, steps)
             per_dtype[name] = {"model": loaded.name, "sessions": results}
             del loaded, kv
@@ -208,97 +211,140 @@ def _cache(kv: torch.Tensor, length: int, extra: int) -> Any:
     return KVStrataCache.from_kv(kv[:, :, :, :length], extra_tokens=extra)
 
 
-def _serial(
-    model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int, chunk: int
-) -> dict[str, Any]:
-    import torch
+class _Serial:
+    """Each session in turn, a one-token forward on its own cache (the engine's step today)."""
 
-    step_s: list[float] = []
-    tokens: list[list[int]] = []
-    for length in lengths:
-        cache = _cache(kv, length, steps + 1)
-        token, picked = text[length], []
-        for _ in range(steps):
+    def __init__(self, model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int) -> None:
+        self.model = model
+        self.caches = [_cache(kv, length, steps + 1) for length in lengths]
+        self.feed = [text[length] for length in lengths]
+        self.tokens: list[list[int]] = [[] for _ in lengths]
+        self.step_s: list[float] = []  # one session's step: what its client waits per token
+        self.round_s: list[float] = []  # every session's step
+
+    def step(self) -> None:
+        import torch
+
+        round_started = time.perf_counter()
+        for i, cache in enumerate(self.caches):
             started = time.perf_counter()
-            ids = torch.tensor([[token]], dtype=torch.long)
-            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-            token = int(out.logits[0, -1].float().argmax())
-            step_s.append(time.perf_counter() - started)
-            picked.append(token)
-        tokens.append(picked)
-    return {"step_s": step_s, "total_s": sum(step_s), "tokens": tokens}
+            ids = torch.tensor([[self.feed[i]]], dtype=torch.long)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            self.feed[i] = int(out.logits[0, -1].float().argmax())
+            self.step_s.append(time.perf_counter() - started)
+            self.tokens[i].append(self.feed[i])
+        self.round_s.append(time.perf_counter() - round_started)
 
 
-def _batched(
-    model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int, chunk: int
-) -> dict[str, Any]:
-    from kvstrata.engine.batch import BatchedForward, BatchRow, Segment
+class _Batched:
+    """All sessions in one forward pass of packed rows."""
 
-    forward = BatchedForward(model)
-    rows = [BatchRow(_cache(kv, length, steps + 2)) for length in lengths]
-    feed = [text[length] for length in lengths]
-    tokens: list[list[int]] = [[] for _ in rows]
-    step_s: list[float] = []
-    for _ in range(steps):
+    def __init__(self, model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int) -> None:
+        from kvstrata.engine.batch import BatchedForward, BatchRow
+
+        self.forward = BatchedForward(model)
+        self.kv, self.text = kv, text
+        self.rows = [BatchRow(_cache(kv, length, steps + 2)) for length in lengths]
+        self.feed = [text[length] for length in lengths]
+        self.tokens: list[list[int]] = [[] for _ in lengths]
+        self.step_s: list[float] = []
+        self.round_s = self.step_s
+
+    def step(self) -> None:
+        from kvstrata.engine.batch import Segment
+
         started = time.perf_counter()
-        logits = forward.forward([Segment(row, [t]) for row, t in zip(rows, feed, strict=True)])
-        feed = [int(row_logits.argmax()) for row_logits in logits if row_logits is not None]
-        step_s.append(time.perf_counter() - started)
-        for picked, token in zip(tokens, feed, strict=True):
+        logits = self.forward.forward([Segment(r, [t]) for r, t in zip(self.rows, self.feed, strict=True)])
+        self.feed = [int(row_logits.argmax()) for row_logits in logits if row_logits is not None]
+        self.step_s.append(time.perf_counter() - started)
+        for picked, token in zip(self.tokens, self.feed, strict=True):
             picked.append(token)
-    # one step more with a newcomer prefilling a chunk beside the decoders (chunked prefill)
-    newcomer = BatchRow(_cache(kv, 0, chunk + 1))
-    started = time.perf_counter()
-    forward.forward(
-        [*(Segment(r, [t]) for r, t in zip(rows, feed, strict=True)), Segment(newcomer, text[:chunk])]
-    )
-    mixed_s = time.perf_counter() - started
-    return {"step_s": step_s, "total_s": sum(step_s), "tokens": tokens, "mixed_step_s": mixed_s}
 
+    def mixed_step(self, chunk: int) -> float:
+        """One step more, with a newcomer prefilling ``chunk`` tokens beside the decoders."""
+        from kvstrata.engine.batch import BatchRow, Segment
 
-def _padded(
-    model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int, chunk: int
-) -> dict[str, Any]:
-    import torch
-    from transformers import DynamicCache
-
-    n, longest = len(lengths), max(lengths)
-    started = time.perf_counter()
-    cache = DynamicCache(config=model.config)
-    for layer in range(kv.shape[1]):
-        shape = (n, kv.shape[2], longest, kv.shape[4])
-        keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
-        for i, length in enumerate(lengths):  # left padding: every row ends at the same slot
-            keys[i, :, longest - length :] = kv[0, layer, :, :length]
-            values[i, :, longest - length :] = kv[1, layer, :, :length]
-        cache.update(keys, values, layer)
-    mask = torch.zeros(n, longest, dtype=torch.long)
-    for i, length in enumerate(lengths):
-        mask[i, longest - length :] = 1
-    build_s = time.perf_counter() - started
-    feed = [text[length] for length in lengths]
-    tokens: list[list[int]] = [[] for _ in lengths]
-    step_s: list[float] = []
-    for step in range(steps):
+        newcomer = BatchRow(_cache(self.kv, 0, chunk + 1))
+        segments = [Segment(r, [t]) for r, t in zip(self.rows, self.feed, strict=True)]
         started = time.perf_counter()
-        mask = torch.cat([mask, torch.ones(n, 1, dtype=torch.long)], dim=1)
-        positions = torch.tensor([[length + step] for length in lengths])
-        out = model(
-            input_ids=torch.tensor([[t] for t in feed]),
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
+        self.forward.forward([*segments, Segment(newcomer, self.text[:chunk])])
+        return time.perf_counter() - started
+
+
+class _Padded:
+    """All histories left-padded to the longest in one (N, H, Lmax, D) cache, with a mask."""
+
+    def __init__(self, model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        self.model, self.lengths = model, lengths
+        n, longest = len(lengths), max(lengths)
+        started = time.perf_counter()
+        self.cache = DynamicCache(config=model.config)
+        for layer in range(kv.shape[1]):
+            shape = (n, kv.shape[2], longest, kv.shape[4])
+            keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
+            for i, length in enumerate(lengths):  # left padding: every row ends at the same slot
+                keys[i, :, longest - length :] = kv[0, layer, :, :length]
+                values[i, :, longest - length :] = kv[1, layer, :, :length]
+            self.cache.update(keys, values, layer)
+        self.mask = torch.zeros(n, longest, dtype=torch.long)
+        for i, length in enumerate(lengths):
+            self.mask[i, longest - length :] = 1
+        self.build_s = time.perf_counter() - started
+        self.feed = [text[length] for length in lengths]
+        self.tokens: list[list[int]] = [[] for _ in lengths]
+        self.step_s: list[float] = []
+        self.round_s = self.step_s
+
+    def step(self) -> None:
+        import torch
+
+        started = time.perf_counter()
+        n, done = len(self.lengths), len(self.step_s)
+        self.mask = torch.cat([self.mask, torch.ones(n, 1, dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=torch.tensor([[t] for t in self.feed]),
+            attention_mask=self.mask,
+            position_ids=torch.tensor([[length + done] for length in self.lengths]),
+            cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        feed = out.logits[:, -1].float().argmax(dim=-1).tolist()
-        step_s.append(time.perf_counter() - started)
-        for picked, token in zip(tokens, feed, strict=True):
-            picked.append(int(token))
-    return {"step_s": step_s, "total_s": sum(step_s), "tokens": tokens, "build_s": build_s}
+        self.feed = [int(t) for t in out.logits[:, -1].float().argmax(dim=-1).tolist()]
+        self.step_s.append(time.perf_counter() - started)
+        for picked, token in zip(self.tokens, self.feed, strict=True):
+            picked.append(token)
 
 
-_MEASURE = {SERIAL: _serial, BATCHED: _batched, PADDED: _padded}
+_VARIANTS = {SERIAL: _Serial, BATCHED: _Batched, PADDED: _Padded}
+
+
+def _measure(
+    model: Any,
+    kv: torch.Tensor,
+    text: list[int],
+    lengths: list[int],
+    steps: int,
+    chunk: int,
+    variants: list[str],
+    advance: Any,
+) -> dict[str, Any]:
+    """Every variant decodes the same steps, interleaved step by step (in an order that rotates),
+    so that a load from elsewhere on the machine falls on all of them alike."""
+    decoders = {v: _VARIANTS[v](model, kv, text, lengths, steps) for v in variants}
+    for step in range(steps):
+        for variant in rotate(variants, step):
+            decoders[variant].step()
+        advance()
+    entry: dict[str, Any] = {"histories": lengths}
+    for variant, decoder in decoders.items():
+        entry[variant] = {"step_s": decoder.step_s, "round_s": decoder.round_s, "tokens": decoder.tokens}
+    entry[BATCHED]["mixed_step_s"] = decoders[BATCHED].mixed_step(chunk)
+    if PADDED in decoders:
+        entry[PADDED]["build_s"] = decoders[PADDED].build_s
+    return entry
 
 
 def _summarize(entry: dict[str, Any], n: int, steps: int) -> dict[str, Any]:
@@ -308,12 +354,15 @@ def _summarize(entry: dict[str, Any], n: int, steps: int) -> dict[str, Any]:
         if variant not in entry:
             continue
         measured = entry[variant]
+        total = sum(measured["round_s"])
         stats = {
-            "tokens_per_s": n * steps / measured["total_s"],
+            "tokens_per_s": n * steps / total,
             "itl_median_s": statistics.median(measured["step_s"]),
             "itl_p90_s": percentile(measured["step_s"], 90),
             "step_s": measured["step_s"],
-            "speedup": serial["total_s"] / measured["total_s"],
+            "round_s": measured["round_s"],
+            "speedup": sum(serial["round_s"]) / total,
+            "speedup_median": statistics.median(serial["round_s"]) / statistics.median(measured["round_s"]),
             "same_tokens": measured["tokens"] == serial["tokens"],
             "tokens_agreeing": _agreement(measured["tokens"], serial["tokens"]),
         }
@@ -339,7 +388,8 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
 def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
     tables = []
     for name, per in data["dtypes"].items():
-        columns = ["N", "serial tok/s", "batch tok/s", "speedup", "ITL serial", "ITL batch", "ITL p90"]
+        columns = ["N", "serial tok/s", "batch tok/s", "speedup", "(median)", "ITL serial", "ITL batch"]
+        columns += ["ITL p90"]
         columns += ["mixed step", "same tokens"]
         if PADDED in variants:
             columns += ["padded tok/s", "pad build"]
@@ -353,6 +403,7 @@ def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
                 f"{s['tokens_per_s']:.1f}",
                 f"{b['tokens_per_s']:.1f}",
                 f"{b['speedup']:.2f}x",
+                f"{b['speedup_median']:.2f}x",
                 fmt_ms(s["itl_median_s"]),
                 fmt_ms(b["itl_median_s"]),
                 fmt_ms(b["itl_p90_s"]),
@@ -372,7 +423,8 @@ def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
                     f"target at {count} sessions: {target:.0f}x; measured {speedup:.2f}x ({verdict})"
                 )
         table.notes.append(
-            "ITL: one step of a running request (median; p90 for the batch); "
+            "speedup (median): ratio of the median step rounds; ITL: one step of a running request "
+            "(median; p90 for the batch); "
             "mixed step: one batched step of the decoders plus a new session prefilling a chunk; "
             "same tokens: batched greedy tokens equal the serial ones (else the share of tokens "
             "equal up to each row's first difference)"
