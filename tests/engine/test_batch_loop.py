@@ -251,3 +251,26 @@ def test_smollm2_batched_requests_equal_the_same_requests_alone() -> None:
     join_at = {"bg": 0, "int": 0, "short": 0, "rt": 3, "pruned": 5}
     budget = StepBudget(max_sequences=4, max_tokens=48, prefill_chunk=32, starvation_steps=3)
     check_against_solo(loaded.model, cases, budget, join_at)
+
+
+def test_a_realtime_arrival_gets_its_first_token_at_the_next_step(model: torch.nn.Module) -> None:
+    budget = StepBudget(max_sequences=4, max_tokens=64, prefill_chunk=8, max_live=4, realtime_max_sequences=1)
+    loop = BatchLoop(BatchedForward(model), budget)
+    background = [LoopRequest(f"bg{i}", ids(40 + i, 6), 50, priority="background") for i in range(4)]
+    for request in background:
+        loop.submit(request)
+    for _ in range(3):
+        loop.step()
+    realtime = LoopRequest("rt", ids(50, 40), 3, priority="realtime")  # longer than prefill_chunk
+    loop.submit(realtime)
+    result = loop.step()
+    assert result.tokens[0][0] is realtime
+    assert len(result.plan.slots) == 2  # while it runs, one background row beside it
+    assert result.plan.paused == ("bg1", "bg2", "bg3")
+    loop.step()
+    loop.step()
+    assert realtime.finish_reason == "length" and len(realtime.generated) == 3
+    result = loop.step()
+    assert len(result.plan.slots) == 4  # the background requests resume where they were
+    want, _ = solo_greedy(model, KVStrataCache.empty_for(model), ids(42, 6), len(background[2].generated))
+    assert background[2].generated == want
