@@ -122,16 +122,21 @@ def test_a_row_with_a_position_offset_keeps_its_original_positions(model: torch.
 
 
 def test_sdpa_attention_rows_match_solo_sdpa() -> None:
+    """With sdpa, decode rows take a grouped-query fast path; prefill rows sdpa with a mask."""
     model = tiny_llama(6, num_layers=2)
     model.set_attn_implementation("sdpa")
     bf = BatchedForward(model)
     assert bf.base_attention == "sdpa"
     histories, prompts = [ids(9, 33), [], ids(10, 5)], [ids(19, 4), ids(20, 6), [7]]
+    expected = [solo_greedy(model, restored(model, h), p, 6) for h, p in zip(histories, prompts, strict=True)]
     rows = [BatchRow(restored(model, h)) for h in histories]
     got = bf.forward([Segment(r, p) for r, p in zip(rows, prompts, strict=True)])
-    for h, p, g in zip(histories, prompts, got, strict=True):
-        assert g is not None
-        torch.testing.assert_close(g, solo_forward(model, restored(model, h), p), atol=ATOL, rtol=0)
+    for step in range(6):
+        for g, (want_tokens, want_logits) in zip(got, expected, strict=True):
+            assert g is not None
+            torch.testing.assert_close(g, want_logits[step], atol=ATOL, rtol=0)
+            assert int(g.argmax()) == want_tokens[step]
+        got = bf.forward([Segment(r, [t[step]]) for r, (t, _) in zip(rows, expected, strict=True)])
     assert model.config._attn_implementation == "sdpa"  # restored after the step
 
 

@@ -189,10 +189,25 @@ def _batched_attention(
                 module, q, keys, values, mask, scaling=scaling, dropout=0.0
             )
             row._add_attention(weights)
+        elif step.base_attention == "sdpa" and stop - start == 1:
+            out = _sdpa_one_query(q, keys, values, scaling)
         else:
             out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=0.0)
         outputs.append(out)  # (1, n, heads, D)
     return torch.cat(outputs, dim=1), None
+
+
+def _sdpa_one_query(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """A decode row's attention, its query heads grouped by the key/value head they share (the
+    group stands where the query tokens would): one kernel call without repeating the KV, and
+    on CPU several times faster in bf16 than sdpa's ``enable_gqa`` path (measured in the
+    batching bench). Returns ``(1, 1, heads, D)`` as the attention functions do."""
+    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
+    grouped = query.reshape(1, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
+    return out.reshape(1, heads, 1, dim).transpose(1, 2)
 
 
 def _row_mask(
