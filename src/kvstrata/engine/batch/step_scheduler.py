@@ -88,6 +88,9 @@ class StepBudget:
             raise ConfigError(f"StepBudget.starvation_slots must be >= 0, got {self.starvation_slots!r}")
         if self.starvation_slots >= self.max_sequences:
             raise ConfigError("StepBudget.starvation_slots must leave at least one row for the others")
+        if self.starvation_slots > self.realtime_max_sequences:
+            # the reserved rows count among the other classes' rows while a realtime request runs
+            raise ConfigError("StepBudget.starvation_slots must not exceed realtime_max_sequences")
 
 
 @dataclass(frozen=True, slots=True)
