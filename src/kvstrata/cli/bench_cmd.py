@@ -29,13 +29,14 @@ def show(result: BenchResult, *, json_out: bool, plot: Path | None) -> None:
 def _register() -> None:
     # Each suite module holds its typer command (heavy imports stay inside it, so `kvstrata --help`
     # stays fast) and a ``run(...)`` that returns a BenchResult.
-    from kvstrata.bench import agents, decode_overhead, peers, restore, trace
+    from kvstrata.bench import agents, batching, decode_overhead, peers, restore, trace
 
     bench_app.command("restore")(restore.command)
     bench_app.command("agents")(agents.command)
     bench_app.command("peers")(peers.command)
     bench_app.command("trace")(trace.command)
     bench_app.command("decode-overhead")(decode_overhead.command)
+    bench_app.command("batching")(batching.command)
 
 
 _register()

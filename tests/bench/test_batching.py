@@ -1,0 +1,93 @@
+"""``kvstrata bench batching`` on the tiny random Llama: serial, batched and padded decoding pick
+the same tokens, the figures are consistent, JSON parses, the PNG is written, bad options fail."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata.bench import batching
+from kvstrata.cli.main import app
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("bench-batching")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(MODEL_CACHE_ENV, str(root / "model-cache"))
+        yield save_tiny_llama(root / "tiny")
+
+
+def test_run_measures_the_same_decode_three_ways(tiny_model: Path, tmp_path: Path) -> None:
+    result = batching.run(
+        model=tiny_model,
+        sessions=[1, 3],
+        history=(8, 40),
+        steps=5,
+        dtypes=["fp32"],
+        chunk=16,
+        padded=True,
+        progress=False,
+    )
+    per = result.data["dtypes"]["fp32"]["sessions"]
+    assert set(per) == {"1", "3"}
+    assert per["3"]["histories"] == [8, 40, 24]  # spread over 8..40, long and short interleaved
+    for key, entry in per.items():
+        n = int(key)
+        for variant in (batching.SERIAL, batching.BATCHED, batching.PADDED):
+            stats = entry[variant]
+            assert stats["same_tokens"] is True, (key, variant)  # fp32: every layout picks the same
+            assert len(stats["step_s"]) == (5 * n if variant == batching.SERIAL else 5)
+            assert stats["tokens_per_s"] == pytest.approx(n * 5 / sum(stats["round_s"]))
+            assert len(stats["round_s"]) == 5
+        assert entry[batching.SERIAL]["speedup"] == 1.0
+        assert entry[batching.BATCHED]["mixed_step_s"] > 0 and entry[batching.PADDED]["build_s"] > 0
+    (table,) = result.tables
+    assert [row[0] for row in table.rows] == ["1", "3"]
+    assert table.rows[1][table.columns.index("same tokens")] == "yes"
+    png = result.save_plot(tmp_path / "batching.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_json(tiny_model: Path, tmp_path: Path) -> None:
+    plot = tmp_path / "bench-batching.png"
+    args = ["bench", "batching", "--model", str(tiny_model), "--sessions", "2", "--history", "8:16"]
+    args += ["--steps", "3", "--dtypes", "bf16", "--chunk", "8", "--json", "--plot", str(plot)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["suite"] == "batching"
+    entry = payload["data"]["dtypes"]["bf16"]["sessions"]["2"]
+    assert entry["batched"]["tokens_per_s"] > 0 and 0 <= entry["batched"]["tokens_agreeing"] <= 1
+    assert plot.is_file()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--history", "64:8"),
+        ("--history", "x"),
+        ("--dtypes", "fp8"),
+        ("--sessions", "0"),
+        ("--history", "8:5000"),
+    ],
+)
+def test_bad_options_fail_with_one_line(tiny_model: Path, option: str, value: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "batching", "--model", str(tiny_model), option, value])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+
+
+def test_histories_spread_and_parse() -> None:
+    assert batching.histories(1, 10, 50) == [50]
+    assert batching.histories(5, 0 + 10, 50) == [10, 30, 50, 20, 40]
+    assert batching.parse_history("128:1_024") == (128, 1024)
+    assert batching.parse_dtypes("bf16,fp32,bf16") == ["bf16", "fp32"]
+    with pytest.raises(ConfigError, match="MIN <= MAX"):
+        batching.parse_history("5:2")

@@ -1,0 +1,217 @@
+"""The batched forward pass against the single-request path: rows of different lengths, some
+prefilling while others decode, rows joining and leaving, position offsets, sdpa and bf16, the
+attention mass per row, and a failed step leaving every row as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batch_reference import prefix_kv, solo_forward, solo_greedy
+
+from kvstrata import ConfigError
+from kvstrata.engine.batch import BatchedForward, BatchRow, Segment
+from kvstrata.integrations.transformers.cache import KVStrataCache
+from kvstrata.integrations.transformers.importance import ImportanceTracker
+from kvstrata.integrations.transformers.model import tiny_llama
+
+ATOL = 1e-4
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_llama(5, num_layers=3, hidden=64, heads=4, kv_heads=2)
+
+
+def restored(model: torch.nn.Module, history: list[int]) -> KVStrataCache:
+    """A cache holding ``history``'s KV, built as a restore from the store builds it."""
+    if not history:
+        return KVStrataCache.empty_for(model)
+    return KVStrataCache.from_kv(prefix_kv(model, history), model=model)
+
+
+def test_rows_of_different_lengths_prefilling_and_decoding_in_one_step_match_solo(
+    model: torch.nn.Module,
+) -> None:
+    bf = BatchedForward(model)
+    histories = [ids(1, 40), [], ids(2, 7), ids(3, 100)]
+    prompts = [ids(11, 9), ids(12, 30), [5], ids(14, 3)]
+    steps = 12
+    expected = [
+        solo_greedy(model, restored(model, h), p, steps) for h, p in zip(histories, prompts, strict=True)
+    ]
+    rows = [BatchRow(restored(model, h)) for h in histories]
+    tokens: list[list[int]] = [[] for _ in rows]
+    logits: list[list[torch.Tensor]] = [[] for _ in rows]
+    # rows 0 and 1 prefill at step 0; row 1's 30-token prompt in chunks of 12 (its first chunks
+    # give no logits); rows 2 and 3 join at step 2 and 3, while the others decode
+    pending = [list(p) for p in prompts]
+    for step in range(steps + 4):
+        segments, members = [], []
+        for i, row in enumerate(rows):
+            if i >= 2 and step < i:
+                continue
+            if len(tokens[i]) >= steps:
+                continue  # left the batch
+            if pending[i]:
+                chunk = pending[i][:12] if i == 1 else pending[i]
+                pending[i] = pending[i][len(chunk) :]
+                segments.append(Segment(row, chunk, logits=not pending[i]))
+            else:
+                segments.append(Segment(row, [tokens[i][-1]]))
+            members.append(i)
+        if not segments:
+            break
+        for i, row_logits in zip(members, bf.forward(segments), strict=True):
+            if row_logits is not None:
+                logits[i].append(row_logits)
+                tokens[i].append(int(row_logits.argmax()))
+    for i, (want_tokens, want_logits) in enumerate(expected):
+        assert tokens[i] == want_tokens, i
+        for got, want in zip(logits[i], want_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert rows[i].length == len(histories[i]) + len(prompts[i]) + steps - 1
+
+
+def test_joining_and_leaving_rows_leave_other_rows_kv_in_place(model: torch.nn.Module) -> None:
+    bf = BatchedForward(model)
+    a = BatchRow(restored(model, ids(4, 20)))
+    bf.forward([Segment(a, [7])])
+    buffer = a.cache.layers[0]._key_buffer
+    assert buffer is not None
+    before = a.cache.new_kv(0).clone()
+    b = BatchRow.empty(model)
+    bf.forward([Segment(b, ids(5, 16)), Segment(a, [8])])  # b joins
+    bf.forward([Segment(b, [9])])  # a pauses
+    bf.forward([Segment(a, [10])])  # b leaves
+    assert a.cache.layers[0]._key_buffer is buffer  # appended in place, never moved
+    torch.testing.assert_close(a.cache.new_kv(0, before.shape[3]), before, atol=0, rtol=0)
+    solo = restored(model, ids(4, 20))
+    for token in (7, 8):
+        solo_forward(model, solo, [token])
+    torch.testing.assert_close(
+        bf.forward([Segment(a, [11])])[0], solo_forward(model, solo, [10, 11]), atol=ATOL, rtol=0
+    )
+
+
+def test_a_row_with_a_position_offset_keeps_its_original_positions(model: torch.nn.Module) -> None:
+    """A pruned prefix (a lossy memory mode dropped the middle of the history): the kept slots are
+    at their original positions, the new tokens continue after the full history."""
+    bf = BatchedForward(model)
+    history = ids(6, 48)
+    kv = prefix_kv(model, history)
+    kept = torch.cat([kv[:, :, :, :16], kv[:, :, :, 32:]], dim=3)  # 16 tokens dropped
+    prompt = ids(7, 5)
+    want_tokens, want_logits = solo_greedy(
+        model, KVStrataCache.from_kv(kept, model=model), prompt, 6, position_offset=16
+    )
+    row = BatchRow(KVStrataCache.from_kv(kept, model=model), position_offset=16)
+    other = BatchRow(restored(model, ids(8, 10)))
+    assert row.next_position == 48 and row.length == 32
+    got = bf.forward([Segment(other, [3]), Segment(row, prompt)])[1]
+    tokens = []
+    for step in range(6):
+        assert got is not None
+        torch.testing.assert_close(got, want_logits[step], atol=ATOL, rtol=0)
+        tokens.append(int(got.argmax()))
+        got = bf.forward([Segment(row, [tokens[-1]]), Segment(other, [4 + step])])[0]
+    assert tokens == want_tokens
+
+
+def test_sdpa_attention_rows_match_solo_sdpa() -> None:
+    """With sdpa, decode rows take a grouped-query fast path; prefill rows sdpa with a mask."""
+    model = tiny_llama(6, num_layers=2)
+    model.set_attn_implementation("sdpa")
+    bf = BatchedForward(model)
+    assert bf.base_attention == "sdpa"
+    histories, prompts = [ids(9, 33), [], ids(10, 5)], [ids(19, 4), ids(20, 6), [7]]
+    expected = [solo_greedy(model, restored(model, h), p, 6) for h, p in zip(histories, prompts, strict=True)]
+    rows = [BatchRow(restored(model, h)) for h in histories]
+    got = bf.forward([Segment(r, p) for r, p in zip(rows, prompts, strict=True)])
+    for step in range(6):
+        for g, (want_tokens, want_logits) in zip(got, expected, strict=True):
+            assert g is not None
+            torch.testing.assert_close(g, want_logits[step], atol=ATOL, rtol=0)
+            assert int(g.argmax()) == want_tokens[step]
+        got = bf.forward([Segment(r, [t[step]]) for r, (t, _) in zip(rows, expected, strict=True)])
+    assert model.config._attn_implementation == "sdpa"  # restored after the step
+
+
+def test_bf16_rows_stay_close_to_solo_bf16() -> None:
+    model = tiny_llama(7, num_layers=2).to(torch.bfloat16)
+    bf = BatchedForward(model)
+    histories, prompts = [ids(21, 25), ids(22, 3)], [ids(23, 6), [9]]
+    rows = [BatchRow(restored(model, h)) for h in histories]
+    assert rows[0].cache.layers[0].keys.dtype == torch.bfloat16  # type: ignore[union-attr]
+    got = bf.forward([Segment(r, p) for r, p in zip(rows, prompts, strict=True)])
+    for h, p, g in zip(histories, prompts, got, strict=True):
+        assert g is not None and g.dtype == torch.float32
+        want = solo_forward(model, restored(model, h), p)
+        # bf16 keeps 8 bits of mantissa: packed and single-row matmuls round differently
+        torch.testing.assert_close(g, want, atol=0.05, rtol=0.02)
+
+
+def test_rows_track_the_attention_mass_their_slots_receive(model: torch.nn.Module) -> None:
+    bf = BatchedForward(model)
+    history, prompt = ids(24, 40), ids(25, 8)
+    tracker = ImportanceTracker(block_tokens=16)
+    solo = restored(model, history)
+    with tracker.attached(model):
+        want = solo_forward(model, solo, prompt)
+    row = BatchRow(restored(model, history), track_attention=True)
+    untracked = BatchRow(restored(model, ids(26, 12)))
+    got = bf.forward([Segment(untracked, [4]), Segment(row, prompt)])[1]
+    assert got is not None
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(row.block_mass(16), tracker.block_mass, atol=1e-6, rtol=1e-6)
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    assert abs(row.block_mass(16).sum().item() - layers * heads * len(prompt)) < 1e-6
+    assert untracked.attention_mass is None
+    with pytest.raises(ConfigError, match="does not track"):
+        untracked.block_mass(16)
+
+
+def test_a_failed_step_leaves_every_row_as_it_was(model: torch.nn.Module) -> None:
+    bf = BatchedForward(model)
+    rows = [BatchRow(restored(model, ids(27, 10))), BatchRow.empty(model)]
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("injected failure in the last layer")
+
+    handle = model.model.layers[-1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            bf.forward([Segment(rows[0], [3, 4]), Segment(rows[1], [5, 6, 7])])
+    finally:
+        handle.remove()
+    assert [r.length for r in rows] == [10, 0]  # the earlier layers' appends were undone
+    assert all(layer.get_seq_length() == 10 for layer in rows[0].cache.layers)
+    assert model.config._attn_implementation == "eager"
+    got = bf.forward([Segment(rows[0], [3, 4])])[0]
+    torch.testing.assert_close(
+        got, solo_forward(model, restored(model, ids(27, 10)), [3, 4]), atol=ATOL, rtol=0
+    )
+
+
+def test_bad_steps_are_refused_with_clear_errors(model: torch.nn.Module) -> None:
+    bf = BatchedForward(model)
+    row = BatchRow.empty(model)
+    assert bf.forward([]) == []
+    with pytest.raises(ConfigError, match="at least one token"):
+        bf.forward([Segment(row, [])])
+    with pytest.raises(ConfigError, match="twice"):
+        bf.forward([Segment(row, [1]), Segment(row, [2])])
+    with pytest.raises(ConfigError, match="past the model's"):
+        bf.forward([Segment(BatchRow(KVStrataCache.empty_for(model), position_offset=4095), [1, 2])])
+    with pytest.raises(ConfigError, match="layers"):
+        bf.forward([Segment(BatchRow(KVStrataCache.from_kv(None, 2)), [1])])
+    with pytest.raises(ConfigError, match="position_offset"):
+        BatchRow(KVStrataCache.empty_for(model), position_offset=-1)
+    assert row.length == 0
+    flash = tiny_llama(0)
+    flash.config._attn_implementation_internal = "flex_attention"
+    with pytest.raises(ConfigError, match="eager or sdpa"):
+        BatchedForward(flash)
