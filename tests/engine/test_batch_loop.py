@@ -20,8 +20,8 @@ from kvstrata.engine.batch.loop import RowOpener
 from kvstrata.integrations.transformers.cache import KVStrataCache, cache_for, commit
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama, tiny_llama
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.sessions import Session
-from kvstrata.tiers.base import TierLevel
+from kvstrata.store.sessions import Session
+from kvstrata.store.tiers.base import TierLevel
 
 ATOL = 1e-4
 

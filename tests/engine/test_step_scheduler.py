@@ -7,7 +7,7 @@ import pytest
 
 from kvstrata import ConfigError
 from kvstrata.engine.batch import Phase, StepBudget, StepPlan, StepScheduler
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 
 
 class Sim(StepScheduler):

@@ -24,7 +24,7 @@ import torch
 from kvstrata.engine.batch.forward import BatchedForward, BatchRow, Segment
 from kvstrata.engine.batch.step_scheduler import Phase, StepBudget, StepPlan, StepScheduler
 from kvstrata.errors import ConfigError, KVStrataError
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 
 PickFn = Callable[[torch.Tensor], int]
 RowOpener = Callable[[], tuple[BatchRow, Sequence[int]]]

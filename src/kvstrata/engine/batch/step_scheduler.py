@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvstrata.errors import ConfigError
-from kvstrata.sessions import Priority
+from kvstrata.priority import Priority
 
 _CLASS_RANK: dict[Priority, int] = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
 
