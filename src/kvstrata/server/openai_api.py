@@ -54,6 +54,11 @@ class Job:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     reads_calls: bool = False
+    tokens_as_ids: bool = False
+
+    def token_text(self, tokenizer: Any) -> responses.TokenText | None:
+        """How logprobs name tokens (None: no logprobs asked for)."""
+        return responses.TokenText(tokenizer, as_ids=self.tokens_as_ids) if self.sampling.logprobs else None
 
     def request(self, choice: int = 0) -> GenerationRequest:
         return GenerationRequest(
@@ -131,6 +136,7 @@ def _job(
         sampling=sampling,
         n=body.n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        tokens_as_ids=body.return_tokens_as_token_ids,
         **prompt,
     )
 
@@ -238,7 +244,7 @@ async def _respond(ctx: ServerContext, job: Job, *, stream: bool) -> JSONRespons
         results = await run_in_threadpool(_run, ctx, job)
     except (APIError, KVStrataError) as exc:
         raise api_error(exc) from exc
-    text_of = responses.TokenText(ctx.engine.model.tokenizer) if job.sampling.logprobs else None
+    text_of = job.token_text(ctx.engine.model.tokenizer)
     if job.kind == "chat":
         choices = [
             responses.chat_choice(i, r, reads_calls=job.reads_calls, text_of=text_of)

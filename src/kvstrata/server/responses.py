@@ -15,13 +15,17 @@ from kvstrata.server.tools import ToolCall, parse_calls
 
 class TokenText:
     """Token ids to the text OpenAI reports for each (as vLLM does: the token decoded alone, so
-    a token holding part of a UTF-8 character reads as the replacement character)."""
+    a token holding part of a UTF-8 character reads as the replacement character; or, with
+    ``as_ids``, vLLM's ``token_id:ID``)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
+        if self._as_ids:
+            return f"token_id:{token}"
         text = self._cache.get(token)
         if text is None:
             text = self._cache[token] = self._tokenizer.decode([token])
@@ -59,7 +63,8 @@ def text_logprobs(choices: Sequence[TokenChoice], text_of: TokenText, offset: in
 
 
 def finish_reason(response: Response, calls: Sequence[ToolCall]) -> str:
-    return "tool_calls" if calls else response.finish_reason
+    """ "tool_calls" when the output is calls (and was not cut short: then "length")."""
+    return "tool_calls" if calls and response.finish_reason == "stop" else response.finish_reason
 
 
 def chat_choice(

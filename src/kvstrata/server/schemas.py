@@ -17,26 +17,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content. Any ``type`` parses (so that the error can name it);
-    only ``text`` parts are served."""
+class ContentPart(_Strict):
+    """One part of a message's content; only text parts are served (see ChatMessage)."""
 
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text":
-            raise ValueError(
-                f"content part type {self.type!r} is not supported: the model served here reads "
-                "text only (parts of type 'text')"
-            )
-        if self.text is None:
-            raise ValueError("a text content part needs 'text'")
-        if self.model_extra:
-            raise ValueError(f"unsupported field in a text part: {sorted(self.model_extra)[0]}")
-        return self
+
+def _text_parts_only(content: Any) -> Any:
+    """A clear refusal of the parts a text-only model cannot read (instead of a union error)."""
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"content part {index} has type {kind!r}, which is not supported: the model served "
+                    "here reads text only (parts of type 'text')"
+                )
+    return content
 
 
 class FunctionCall(_Strict):
@@ -60,6 +58,8 @@ class ChatMessage(_Strict):
     """A tool turn: the call it answers."""
     refusal: str | None = None
 
+    _parts = field_validator("content", mode="before")(_text_parts_only)
+
     @model_validator(mode="after")
     def _roles(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
@@ -76,7 +76,7 @@ class ChatMessage(_Strict):
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text or "" for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class FunctionDefinition(_Strict):
@@ -154,6 +154,9 @@ class GenerationParams(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens ``token_id:ID`` (tokens that are part of a character are otherwise
+    ambiguous)."""
 
     @field_validator("stop")
     @classmethod

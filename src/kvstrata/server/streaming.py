@@ -80,7 +80,7 @@ class _Chunks:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = ctx.config.model_name
-        self.text_of = responses.TokenText(ctx.engine.model.tokenizer) if job.sampling.logprobs else None
+        self.text_of = job.token_text(ctx.engine.model.tokenizer)
         self.calls: dict[int, CallStream] = {}
         self.text_offset: dict[int, int] = {}
 

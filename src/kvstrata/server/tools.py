@@ -151,7 +151,9 @@ def _lark_text(text: str) -> str:
 
 def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """The content before the first call (None if blank) and the calls in ``text``. A block
-    that is not a call (invalid JSON, no name) leaves the whole text as content, as vLLM does."""
+    that is not a call (invalid JSON, no name) leaves the whole text as content, as vLLM does;
+    except an unclosed last block after complete calls (the output was cut by ``max_tokens``),
+    which is dropped."""
     start = text.find(CALL_OPEN)
     if start == -1:
         return (text or None), []
@@ -159,6 +161,8 @@ def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     for match in _CALL_RE.finditer(text, start):
         call = _parse_call(match.group(1))
         if call is None:
+            if calls and match.end() == len(text) and not match.group(0).endswith(CALL_CLOSE):
+                break
             return text, []
         calls.append(call)
     content = text[:start]
