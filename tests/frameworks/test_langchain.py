@@ -3,14 +3,22 @@ tool call, ``with_structured_output`` (json_schema) a valid pydantic object."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-from server_builders import ServerProcess
+from smol_server import ServerProcess, serve_smol
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with serve_smol(tmp_path_factory) as server:
+        yield server
 
 
 @tool

