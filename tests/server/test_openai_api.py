@@ -134,8 +134,10 @@ def test_priority_header_is_accepted(server: LiveServer) -> None:
     [
         ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ({"temperature": -1}, 400, "temperature", "invalid_value"),
-        ({"n": 2}, 400, "n", "invalid_value"),
-        ({"extra_body": {"top_p": 0.5}}, 400, "top_p", "unsupported_parameter"),
+        ({"n": 0}, 400, "n", "invalid_value"),
+        ({"n": 17}, 400, "n", "invalid_value"),
+        ({"top_p": 0}, 400, "top_p", "invalid_value"),
+        ({"extra_body": {"logit_bias": {"1": 5}}}, 400, "logit_bias", "unsupported_parameter"),
         ({"extra_headers": {"X-Priority": "urgent"}}, 400, "X-Priority", "invalid_value"),
         ({"extra_headers": {"X-Session-Id": "a/b"}}, 400, "X-Session-Id", "invalid_value"),
         ({"model": "gpt-4"}, 404, "model", "model_not_found"),

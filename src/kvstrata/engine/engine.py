@@ -9,7 +9,8 @@ One request goes through these steps:
    whichever is longer; at least one token is always left to prefill so that there are logits;
 3. load it into a :class:`KVStrataCache` (a lost or corrupt block truncates the session there
    and the rest is recomputed: ``recomputed_reason`` says so);
-4. prefill the remaining prompt tokens, decode greedily or by sampling;
+4. prefill the remaining prompt tokens, then decode: a :class:`RequestDecoder` (per request, one
+   row of logits at a time: sampling, grammar, stop rules, text) picks each token;
 5. append the KV of every new token except the last generated one (its KV was never computed)
    and checkpoint, so the session's tokens are exactly the tokens whose KV is stored.
 """
@@ -27,6 +28,9 @@ from typing import Any
 
 import torch
 
+from kvstrata.engine.decoder import DecodeStep, RequestDecoder
+from kvstrata.engine.grammar import GrammarCompiler
+from kvstrata.engine.sampling import SamplingParams, TokenChoice
 from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 from kvstrata.integrations.transformers.model import LoadedModel
@@ -37,7 +41,7 @@ from kvstrata.store import DEFAULT_NAMESPACE, KVStore, LoadedKV
 from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
 
-Message = dict[str, str]
+Message = Mapping[str, Any]
 StreamCallback = Callable[[str], None]
 
 
@@ -66,11 +70,19 @@ class Response:
     attended_tokens: int | None = None
     """With a lossy memory mode: how many of the ``cached_tokens`` the request attended to (the
     kept blocks); None when it attended to all of them."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the output (None: EOS, a grammar, the length)."""
+    logprobs: list[TokenChoice] | None = None
+    """Each generated token's choice with its log-probability, when the request asked for them."""
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One chat (``messages``) or completion (``prompt``) request, as queued by the scheduler."""
+    """One chat (``messages``) or completion (``prompt``) request, as queued by the scheduler.
+
+    How it decodes is ``sampling``; ``max_new_tokens``, ``temperature`` and ``seed`` are
+    shorthands for the common fields (give them or ``sampling``, not both), and after
+    construction they mirror ``sampling``."""
 
     session_id: str
     messages: Sequence[Message] | None = None
@@ -83,6 +95,10 @@ class GenerationRequest:
     seed: int | None = None
     prompt_ids: Sequence[int] | None = None
     """Token ids given directly (no template, no tokenizer), instead of messages or a prompt."""
+    sampling: SamplingParams | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    """Tool definitions for a chat template that renders them itself (``apply_chat_template(
+    tools=...)``); the messages may then carry ``tool_calls`` and ``tool`` turns."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids))
@@ -90,11 +106,25 @@ class GenerationRequest:
             raise ConfigError("a request has exactly one of messages, prompt or prompt_ids")
         if self.prompt_ids is not None:
             object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        if self.max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ConfigError("temperature must be >= 0")
+        if self.sampling is None:
+            if self.max_new_tokens < 1:
+                raise ConfigError("max_new_tokens must be >= 1")
+            if self.temperature < 0:
+                raise ConfigError("temperature must be >= 0")
+            sampling = SamplingParams(self.max_new_tokens, self.temperature, seed=self.seed)
+            object.__setattr__(self, "sampling", sampling)
+        elif (self.max_new_tokens, self.temperature, self.seed) != (64, 0.0, None):
+            raise ConfigError("give sampling, or max_new_tokens/temperature/seed, not both")
+        else:
+            object.__setattr__(self, "max_new_tokens", self.sampling.max_tokens)
+            object.__setattr__(self, "temperature", self.sampling.temperature)
+            object.__setattr__(self, "seed", self.sampling.seed)
         object.__setattr__(self, "priority", Priority.parse(self.priority))
+
+    @property
+    def params(self) -> SamplingParams:
+        assert self.sampling is not None  # set by __post_init__
+        return self.sampling
 
 
 @dataclass(slots=True)
@@ -112,16 +142,22 @@ class _Prefix:
 
 
 class ResponseStream:
-    """An iterator of text deltas; ``response`` is set once it is exhausted.
+    """An iterator of text deltas (``steps()``: of :class:`DecodeStep` objects, with the tokens'
+    log-probabilities and the finish); ``response`` is set once it is exhausted.
 
     The engine is held for the stream's request until it is exhausted or closed: iterate it to
     the end (or ``close()`` it) before starting another request on the same engine."""
 
-    def __init__(self, steps: Generator[str, None, Response]) -> None:
+    def __init__(self, steps: Generator[DecodeStep, None, Response]) -> None:
         self._steps = steps
         self.response: Response | None = None
 
     def __iter__(self) -> Iterator[str]:
+        for step in self.steps():
+            if step.text:
+                yield step.text
+
+    def steps(self) -> Iterator[DecodeStep]:
         self.response = yield from self._steps
 
     def close(self) -> None:
@@ -167,6 +203,8 @@ class Engine:
         if eos is None:
             eos = model.tokenizer.eos_token_id
         self._stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._vocab_size = int(model.model.get_input_embeddings().weight.shape[0])
+        self._grammars: GrammarCompiler | None = None
         self.queue_limit = queue_limit
         self.l1_resident_sessions = l1_resident_sessions
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
@@ -245,11 +283,31 @@ class Engine:
         steps = self._generate(request)
         while True:
             try:
-                delta = next(steps)
+                step = next(steps)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
-            if stream is not None:
-                stream(delta)
+            if stream is not None and step.text:
+                stream(step.text)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles the grammars of constrained requests (built on first use: about 0.3 s)."""
+        if self._grammars is None:
+            eos = min(self._stop_ids) if self._stop_ids else self.model.tokenizer.eos_token_id
+            self._grammars = GrammarCompiler(self.model.tokenizer, self._vocab_size, eos)
+        return self._grammars
+
+    def decoder(self, request: GenerationRequest) -> RequestDecoder:
+        """The per-request decoding state of ``request``; raises :class:`ConfigError` for a
+        request that cannot run (an invalid grammar, a stop token outside the vocabulary)."""
+        params = request.params
+        return RequestDecoder(
+            params,
+            self.model.tokenizer,
+            eos_token_ids=self._stop_ids,
+            vocab_size=self._vocab_size,
+            grammars=self.grammars if params.grammar is not None else None,
+        )
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self.model.tokenizer
@@ -262,8 +320,9 @@ class Engine:
                 raise ConfigError("the prompt is empty")
             return list(request.prompt_ids)
         if request.messages is not None:
+            extra = {"tools": list(request.tools)} if request.tools else {}
             encoded = tokenizer.apply_chat_template(
-                list(request.messages), add_generation_prompt=True, tokenize=True
+                [dict(m) for m in request.messages], add_generation_prompt=True, tokenize=True, **extra
             )
             ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         else:
@@ -274,7 +333,7 @@ class Engine:
         return ids
 
     # -- the generation loop ---------------------------------------------------------------------
-    def _generate(self, request: GenerationRequest) -> Generator[str, None, Response]:
+    def _generate(self, request: GenerationRequest) -> Generator[DecodeStep, None, Response]:
         # One request at a time: the model and the session state are not shared between requests.
         # Inference mode is entered per step (never across a yield), so that a stream's consumer
         # does not run its own code in inference mode.
@@ -295,9 +354,11 @@ class Engine:
                 if realtime:
                     self._prefetcher.realtime_finished()
 
-    def _generate_locked(self, request: GenerationRequest) -> Generator[str, None, Response]:
+    def _generate_locked(self, request: GenerationRequest) -> Generator[DecodeStep, None, Response]:
         started = time.perf_counter()
         prompt_ids = self.prompt_token_ids(request)
+        decoder = self.decoder(request)  # may refuse the request: before anything is written
+        max_new_tokens = request.params.max_tokens
         session: Session | None = None
         if request.use_cache:
             session = self.store.create_session(
@@ -305,7 +366,7 @@ class Engine:
             )
             mode = self.memory_modes.get(session.priority)
             with torch.inference_mode():
-                capacity = len(prompt_ids) + request.max_new_tokens
+                capacity = len(prompt_ids) + max_new_tokens
                 spare = self._take_spare(capacity)
                 pruned = (
                     self._find_pruned_prefix(session, prompt_ids, mode, capacity, spare) if mode else None
@@ -317,7 +378,7 @@ class Engine:
         # cache slots hold the attended tokens; with a pruned prefix, fewer than their positions
         slots = prefix.kv.shape[3] if prefix.kv is not None and prefix.kept_blocks is not None else start
         position_offset = start - slots
-        total_new = len(prompt_ids) - start + request.max_new_tokens
+        total_new = len(prompt_ids) - start + max_new_tokens
         with torch.inference_mode():
             if prefix.source is not None:  # adopts the store's buffer when it has room
                 cache = KVStrataCache.from_loaded(
@@ -330,37 +391,22 @@ class Engine:
                     devices=self._devices,
                     extra_tokens=total_new,
                 )
-        generator = None
-        if request.temperature > 0 and request.seed is not None:
-            generator = torch.Generator(device=self._devices[-1]).manual_seed(request.seed)
-
         logits = self._forward(prompt_ids[start:], cache, position_offset)
-        generated: list[int] = []
-        text = ""
         ttft_s = 0.0
-        finish_reason = "length"
         decode_started = time.perf_counter()
-        tokenizer = self.model.tokenizer
         while True:
-            token = _pick(logits, request.temperature, generator)
-            if not generated:
+            choice = decoder.choose(logits)
+            if not decoder.token_ids:
                 ttft_s = time.perf_counter() - started
                 decode_started = time.perf_counter()
-            generated.append(token)
-            if token in self._stop_ids:
-                finish_reason = "stop"
+            step = decoder.accept(choice)
+            if step.text or step.logprobs or step.finish_reason:
+                yield step
+            if step.finish_reason is not None:
                 break
-            new_text = tokenizer.decode(generated, skip_special_tokens=True)
-            if len(new_text) > len(text) and not new_text.endswith("\ufffd"):
-                yield new_text[len(text) :]
-                text = new_text
-            if len(generated) >= request.max_new_tokens:
-                break
-            logits = self._forward([token], cache, position_offset)
+            logits = self._forward([choice.token], cache, position_offset)
         decode_s = time.perf_counter() - decode_started
-        final_text = tokenizer.decode(generated, skip_special_tokens=True)
-        if len(final_text) > len(text) and final_text.startswith(text):
-            yield final_text[len(text) :]
+        generated = decoder.token_ids
 
         if session is not None:
             # The last generated token was never fed to the model, so it has no KV: the session
@@ -389,14 +435,14 @@ class Engine:
         return Response(
             session_id=request.session_id,
             namespace=request.namespace,
-            text=final_text,
-            token_ids=generated,
+            text=decoder.text,
+            token_ids=list(generated),
             prompt_tokens=len(prompt_ids),
             cached_tokens=start,
             cached_by_tier=prefix.by_tier,
             prefill_tokens=len(prompt_ids) - start,
             completion_tokens=len(generated),
-            finish_reason=finish_reason,
+            finish_reason=decoder.finish_reason or "length",
             ttft_ms=ttft_s * 1e3,
             decode_tokens_per_s=(len(generated) - 1) / decode_s
             if len(generated) > 1 and decode_s > 0
@@ -405,6 +451,8 @@ class Engine:
             recomputed_reason="; ".join(prefix.reasons) or None,
             diverged_at=prefix.diverged_at,
             attended_tokens=slots if prefix.kept_blocks is not None else None,
+            stop_reason=decoder.stop_reason,
+            logprobs=decoder.logprobs if request.params.logprobs else None,
         )
 
     def forget(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -656,16 +704,6 @@ class Engine:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    # shifted so the largest logit is 0: a tiny temperature then gives -inf for the others (and 0
-    # for the best), never inf/inf = nan
-    scaled = (logits.double() - logits.max().double()) / temperature
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -95,7 +95,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         return APIError(
             400, f"unsupported parameter: {'.'.join(loc)}", param=".".join(loc), code="unsupported_parameter"
         ).response()
-    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = f"{'.'.join(loc) or 'body'}: {reason}"
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value").response()
 
 

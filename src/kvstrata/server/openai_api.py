@@ -4,27 +4,29 @@ A request belongs to a session named by the ``X-Session-Id`` header (or ``metada
 the engine reuses that session's stored KV and prefills only what is new. A request without one
 is stateless: it runs in a throwaway session that is deleted afterwards (the full blocks it
 wrote stay shared within the tenant's namespace, so a repeated system prompt is still reused).
+
+``n`` choices run one after another on the same session: each reuses the prompt's KV, and the
+session keeps the last choice's tokens (the next turn reuses the prompt either way).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvstrata.engine.engine import GenerationRequest, Response
+from kvstrata.engine.grammar import GrammarSpec
+from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.priority import Priority
+from kvstrata.server import responses
+from kvstrata.server.chat import prepare_chat, response_schema
 from kvstrata.server.context import ServerContext
 from kvstrata.server.deps import context, require_tenant
 from kvstrata.server.errors import APIError, from_kvstrata
@@ -37,18 +39,39 @@ STATELESS_PREFIX = "anon-"
 
 
 @dataclass(frozen=True, slots=True)
-class _Job:
+class Job:
+    """One HTTP request, ready to run: its session, its prompt and how it decodes."""
+
     kind: str  # "chat" or "text"
     session_id: str
     stateless: bool
     namespace: str
     priority: Priority
-    max_new_tokens: int
-    temperature: float
-    seed: int | None
-    messages: list[dict[str, str]] | None
-    prompt: str | None
+    sampling: SamplingParams
+    n: int
     include_usage: bool
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    reads_calls: bool = False
+    tokens_as_ids: bool = False
+
+    def token_text(self, tokenizer: Any) -> responses.TokenText | None:
+        """How logprobs name tokens (None: no logprobs asked for)."""
+        return responses.TokenText(tokenizer, as_ids=self.tokens_as_ids) if self.sampling.logprobs else None
+
+    def request(self, choice: int = 0) -> GenerationRequest:
+        return GenerationRequest(
+            self.session_id,
+            messages=self.messages,
+            prompt=self.prompt,
+            prompt_ids=self.prompt_ids,
+            namespace=self.namespace,
+            priority=self.priority,
+            sampling=self.sampling.for_choice(choice),
+            tools=self.tools,
+        )
 
 
 def _job(
@@ -57,9 +80,11 @@ def _job(
     body: GenerationParams,
     tenant: str,
     *,
-    messages: list[dict[str, str]] | None = None,
-    prompt: str | None = None,
-) -> _Job:
+    grammar: GrammarSpec | None,
+    logprobs: bool,
+    top_logprobs: int,
+    **prompt: Any,
+) -> Job:
     if not ctx.config.serves(body.model):
         raise APIError(
             404,
@@ -85,36 +110,45 @@ def _job(
         priority = Priority.parse(request.headers.get("x-priority", Priority.INTERACTIVE.value))
     except ConfigError as exc:
         raise APIError(400, str(exc), param="X-Priority", code="invalid_value") from exc
-    return _Job(
-        kind="chat" if messages is not None else "text",
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            stop=tuple(body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            grammar=grammar,
+        )
+    except ConfigError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+    return Job(
+        kind="chat" if "messages" in prompt else "text",
         session_id=session_id or f"{STATELESS_PREFIX}{uuid.uuid4().hex}",
         stateless=session_id is None,
         namespace=tenant,
         priority=priority,
-        max_new_tokens=max_tokens,
-        temperature=body.temperature,
-        seed=body.seed,
-        messages=messages,
-        prompt=prompt,
+        sampling=sampling,
+        n=body.n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        tokens_as_ids=body.return_tokens_as_token_ids,
+        **prompt,
     )
 
 
-def _prepare(ctx: ServerContext, job: _Job) -> GenerationRequest:
-    """Everything that can refuse the request, before anything is written to the store."""
+def prepare(ctx: ServerContext, job: Job) -> list[GenerationRequest]:
+    """The engine requests of ``job``'s choices; everything that can refuse the request runs
+    here, before anything is written to the store."""
     if not job.stateless and not ctx.config.create_sessions:
         ctx.store.session(job.session_id, job.namespace)  # SessionNotFoundError: a 404
-    request = GenerationRequest(
-        job.session_id,
-        messages=job.messages,
-        prompt=job.prompt,
-        max_new_tokens=job.max_new_tokens,
-        temperature=job.temperature,
-        namespace=job.namespace,
-        priority=job.priority,
-        seed=job.seed,
-    )
-    prompt_tokens = len(ctx.engine.prompt_token_ids(request))
+    requests = [job.request(i) for i in range(job.n)]
+    prompt_tokens = len(ctx.engine.prompt_token_ids(requests[0]))
     if prompt_tokens > ctx.config.max_prompt_tokens:
         raise APIError(
             400,
@@ -123,16 +157,21 @@ def _prepare(ctx: ServerContext, job: _Job) -> GenerationRequest:
             param="messages" if job.kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    return request
+    try:
+        ctx.engine.decoder(requests[0])  # an invalid grammar or stop token: a 400 now, not mid-stream
+    except ConfigError as exc:
+        param = "stop_token_ids" if "stop_token_ids" in str(exc) else None
+        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+    return requests
 
 
-def _finish(ctx: ServerContext, job: _Job) -> None:
+def finish(ctx: ServerContext, job: Job) -> None:
     if job.stateless:
         ctx.store.delete_session(job.session_id, job.namespace)
         ctx.engine.forget(job.session_id, job.namespace)
 
 
-def _api_error(exc: Exception) -> APIError:
+def api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, KVStrataError):
@@ -140,23 +179,24 @@ def _api_error(exc: Exception) -> APIError:
     raise exc
 
 
-def _run(ctx: ServerContext, job: _Job) -> Response:
+def _run(ctx: ServerContext, job: Job) -> list[Response]:
     gauge = ctx.metrics.in_flight.labels(job.priority.value)
     gauge.inc()
     try:
         with ctx.lock.hold(job.priority):
-            request = _prepare(ctx, job)
+            requests = prepare(ctx, job)
             try:
-                response = ctx.engine.run(request)
+                results = [ctx.engine.run(request) for request in requests]
             finally:
-                _finish(ctx, job)
+                finish(ctx, job)
     finally:
         gauge.dec()
-    ctx.metrics.observe(response)
-    return response
+    for response in results:
+        ctx.metrics.observe(response)
+    return results
 
 
-def _extension(job: _Job, response: Response) -> dict[str, Any]:
+def extension(job: Job, response: Response) -> dict[str, Any]:
     return {
         "session_id": None if job.stateless else job.session_id,
         "cached_by_tier": response.cached_by_tier,
@@ -167,9 +207,11 @@ def _extension(job: _Job, response: Response) -> dict[str, Any]:
     }
 
 
-def _headers(job: _Job) -> dict[str, str]:
+def headers(job: Job) -> dict[str, str]:
     """The session id, echoed; one that is not printable ASCII (from ``metadata.session_id``, or
     a header's raw bytes) is percent-encoded as UTF-8, since header values are bytes."""
+    from urllib.parse import quote
+
     if job.stateless:
         return {}
     session_id = job.session_id
@@ -178,8 +220,10 @@ def _headers(job: _Job) -> dict[str, str]:
     return {"X-Session-Id": session_id}
 
 
-def _usage(response: Response) -> dict[str, Any]:
-    return usage(response.prompt_tokens, response.completion_tokens, response.cached_tokens)
+def total_usage(results: list[Response]) -> dict[str, Any]:
+    """The prompt counted once (the choices share it), the completions of all choices."""
+    first = results[0]
+    return usage(first.prompt_tokens, sum(r.completion_tokens for r in results), first.cached_tokens)
 
 
 @router.get("/v1/models")
@@ -191,35 +235,35 @@ async def list_models(request: Request, tenant: str = Depends(require_tenant)) -
     }
 
 
-async def _respond(
-    ctx: ServerContext,
-    job: _Job,
-    *,
-    stream: bool,
-    id_prefix: str,
-    kind: str,
-    choice: Callable[[Response], dict[str, Any]],
-) -> JSONResponse | StreamingResponse:
-    """Stream the job as server-sent events, or run it and answer one JSON body of ``kind``."""
+async def _respond(ctx: ServerContext, job: Job, *, stream: bool) -> JSONResponse | StreamingResponse:
+    """Stream the job as server-sent events, or run it and answer one JSON body."""
     if stream:
-        return await _stream(ctx, job)
+        from kvstrata.server.streaming import stream_job
+
+        return await stream_job(ctx, job)
     try:
-        response = await run_in_threadpool(_run, ctx, job)
+        results = await run_in_threadpool(_run, ctx, job)
     except (APIError, KVStrataError) as exc:
-        raise _api_error(exc) from exc
+        raise api_error(exc) from exc
+    text_of = job.token_text(ctx.engine.model.tokenizer)
+    if job.kind == "chat":
+        choices = [
+            responses.chat_choice(i, r, reads_calls=job.reads_calls, text_of=text_of)
+            for i, r in enumerate(results)
+        ]
+    else:
+        choices = [responses.text_choice(i, r, text_of=text_of) for i, r in enumerate(results)]
     return JSONResponse(
         {
-            "id": f"{id_prefix}-{uuid.uuid4().hex}",
-            "object": kind,
+            "id": f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if job.kind == "chat" else "text_completion",
             "created": int(time.time()),
             "model": ctx.config.model_name,
-            "choices": [
-                {"index": 0, **choice(response), "finish_reason": response.finish_reason, "logprobs": None}
-            ],
-            "usage": _usage(response),
-            "kvstrata": _extension(job, response),
+            "choices": choices,
+            "usage": total_usage(results),
+            "kvstrata": extension(job, results[0]),
         },
-        headers=_headers(job),
+        headers=headers(job),
     )
 
 
@@ -228,16 +272,22 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, tenant: str = Depends(require_tenant)
 ) -> JSONResponse | StreamingResponse:
     ctx = context(request)
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    job = _job(ctx, request, body, tenant, messages=messages)
-    return await _respond(
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    chat = prepare_chat(body, ctx.engine.model.tokenizer)
+    job = _job(
         ctx,
-        job,
-        stream=bool(body.stream),
-        id_prefix="chatcmpl",
-        kind="chat.completion",
-        choice=lambda r: {"message": {"role": "assistant", "content": r.text}},
+        request,
+        body,
+        tenant,
+        grammar=chat.grammar,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        messages=chat.messages,
+        tools=chat.template_tools,
+        reads_calls=chat.reads_calls,
     )
+    return await _respond(ctx, job, stream=body.stream)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -245,115 +295,18 @@ async def completions(
     body: CompletionRequest, request: Request, tenant: str = Depends(require_tenant)
 ) -> JSONResponse | StreamingResponse:
     ctx = context(request)
-    job = _job(ctx, request, body, tenant, prompt=body.prompt)
-    return await _respond(
-        ctx,
-        job,
-        stream=bool(body.stream),
-        id_prefix="cmpl",
-        kind="text_completion",
-        choice=lambda r: {"text": r.text},
+    schema = response_schema(body.response_format)
+    prompt: dict[str, Any] = (
+        {"prompt": body.prompt} if isinstance(body.prompt, str) else {"prompt_ids": tuple(body.prompt)}
     )
-
-
-# -- streaming ---------------------------------------------------------------------------------
-
-
-def _generate_in_thread(
-    ctx: ServerContext, job: _Job, emit: Callable[[str, Any], None], cancelled: threading.Event
-) -> None:
-    """Run the request, emitting ("error", exc) if it is refused before it starts, or ("start",),
-    then ("delta", text)..., then ("done", Response) or ("fail", exc). Every exit emits, so the
-    response waiting on these events never hangs."""
-    gauge = ctx.metrics.in_flight.labels(job.priority.value)
-    gauge.inc()
-    started = False
-    try:
-        with ctx.lock.hold(job.priority):
-            request = _prepare(ctx, job)
-            started = True
-            emit("start", None)
-            stream = ctx.engine.stream(request)
-            try:
-                for delta in stream:
-                    if cancelled.is_set():
-                        stream.close()  # the client left: stop decoding, persist nothing
-                        emit("fail", APIError(499, "the client closed the stream", type="server_error"))
-                        return
-                    emit("delta", delta)
-            finally:
-                _finish(ctx, job)
-        assert stream.response is not None
-        ctx.metrics.observe(stream.response)
-        emit("done", stream.response)
-    except (APIError, KVStrataError) as exc:
-        emit("fail" if started else "error", exc)
-    except Exception as exc:
-        # not ours: the client gets a 500 (or an error event), and the worker's log the trace
-        emit("fail" if started else "error", exc)
-        raise
-    finally:
-        gauge.dec()
-
-
-async def _stream(ctx: ServerContext, job: _Job) -> StreamingResponse:
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def emit(kind: str, value: Any) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
-
-    loop.run_in_executor(None, _generate_in_thread, ctx, job, emit, cancelled)
-    kind, value = await events.get()
-    if kind == "error":
-        raise _api_error(value)
-    chunk_id = f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-        body = {"id": chunk_id, "object": obj, "created": created, "model": ctx.config.model_name}
-        return f"data: {_json({**body, 'choices': choices, **extra})}\n\n"
-
-    def choice(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        if job.kind == "chat":
-            delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            if job.kind == "chat":
-                yield chunk(
-                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                )
-            while True:
-                kind, value = await events.get()
-                if kind == "delta":
-                    yield chunk([choice(value, None)])
-                elif kind == "done":
-                    yield chunk([choice(None, value.finish_reason)])
-                    if job.include_usage:
-                        yield chunk([], usage=_usage(value), kvstrata=_extension(job, value))
-                    break
-                else:  # "fail": the status line is sent already, so the error is an event
-                    yield f"data: {_json(_stream_error(value).body())}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            cancelled.set()
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=_headers(job))
-
-
-def _stream_error(exc: Exception) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, KVStrataError):
-        return from_kvstrata(exc)
-    return APIError(500, "internal server error", type="server_error", code="internal_error")
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    job = _job(
+        ctx,
+        request,
+        body,
+        tenant,
+        grammar=GrammarSpec.json_schema(schema) if schema is not None else None,
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
+        **prompt,
+    )
+    return await _respond(ctx, job, stream=body.stream)

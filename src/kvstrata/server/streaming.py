@@ -1,0 +1,207 @@
+"""Streaming a job as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
+
+The engine runs in a worker thread and hands its steps to the event loop through a queue. A
+request refused before it starts is an HTTP error (400, 404, ...); one that fails after the
+status line went out ends with an error event. A client that leaves stops the decoding at the
+next token, and nothing of that request is persisted.
+
+Chat chunks carry ``delta.content``; with tools, calls are read out of the text as it streams
+(:class:`~kvstrata.server.tools.CallStream`) and sent as ``delta.tool_calls``, whole, one chunk
+per call. Text that could still turn out to be a stop string or the start of a call is held
+back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvstrata.engine.decoder import DecodeStep
+from kvstrata.engine.engine import Response
+from kvstrata.errors import KVStrataError
+from kvstrata.server import responses
+from kvstrata.server.context import ServerContext
+from kvstrata.server.errors import APIError, from_kvstrata
+from kvstrata.server.openai_api import Job, api_error, extension, finish, headers, prepare, total_usage
+from kvstrata.server.tools import CallStream, ToolCall
+
+
+def _generate_in_thread(
+    ctx: ServerContext, job: Job, emit: Callable[[str, Any], None], cancelled: threading.Event
+) -> None:
+    """Run the job, emitting ("error", exc) if it is refused before it starts, or ("start",),
+    then per choice ("step", (index, DecodeStep))... and ("choice", (index, Response)), then
+    ("done", None) or ("fail", exc). Every exit emits, so the response waiting on these events
+    never hangs."""
+    gauge = ctx.metrics.in_flight.labels(job.priority.value)
+    gauge.inc()
+    started = False
+    try:
+        with ctx.lock.hold(job.priority):
+            requests = prepare(ctx, job)
+            started = True
+            emit("start", None)
+            try:
+                for index, request in enumerate(requests):
+                    stream = ctx.engine.stream(request)
+                    for step in stream.steps():
+                        if cancelled.is_set():
+                            stream.close()  # the client left: stop decoding, persist nothing
+                            emit("fail", APIError(499, "the client closed the stream", type="server_error"))
+                            return
+                        emit("step", (index, step))
+                    assert stream.response is not None
+                    ctx.metrics.observe(stream.response)
+                    emit("choice", (index, stream.response))
+            finally:
+                finish(ctx, job)
+        emit("done", None)
+    except (APIError, KVStrataError) as exc:
+        emit("fail" if started else "error", exc)
+    except Exception as exc:
+        # not ours: the client gets a 500 (or an error event), and the worker's log the trace
+        emit("fail" if started else "error", exc)
+        raise
+    finally:
+        gauge.dec()
+
+
+class _Chunks:
+    """Builds the job's chunks (``data: ...`` lines)."""
+
+    def __init__(self, ctx: ServerContext, job: Job) -> None:
+        self.job = job
+        self.chat = job.kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = ctx.config.model_name
+        self.text_of = job.token_text(ctx.engine.model.tokenizer)
+        self.calls: dict[int, CallStream] = {}
+        self.text_offset: dict[int, int] = {}
+
+    def line(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return f"data: {_json({**body, 'choices': choices, **extra})}\n\n"
+
+    def begin(self, index: int) -> list[str]:
+        if not self.chat:
+            return []
+        if self.job.reads_calls:
+            self.calls[index] = CallStream()
+        delta = {"role": "assistant", "content": ""}
+        return [self.line([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])]
+
+    def step(self, index: int, step: DecodeStep) -> list[str]:
+        logprobs = None
+        if step.logprobs and self.text_of is not None:
+            if self.chat:
+                logprobs = responses.chat_logprobs(step.logprobs, self.text_of)
+            else:
+                offset = self.text_offset.get(index, 0)
+                logprobs = responses.text_logprobs(step.logprobs, self.text_of, offset)
+                self.text_offset[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        if not self.chat:
+            if not step.text and logprobs is None:
+                return []
+            choice = {"index": index, "text": step.text, "logprobs": logprobs, "finish_reason": None}
+            return [self.line([choice])]
+        parser = self.calls.get(index)
+        items: list[str | ToolCall] = list(parser.feed(step.text)) if parser is not None else [step.text]
+        return self._deltas(index, [i for i in items if i], logprobs)
+
+    def end(self, index: int, response: Response) -> list[str]:
+        lines: list[str] = []
+        parser = self.calls.get(index)
+        if parser is not None:
+            lines += self._deltas(index, [i for i in parser.close() if i], None)
+        calls = parser.calls if parser is not None else []
+        final = {
+            "index": index,
+            "finish_reason": responses.finish_reason(response, calls),
+            "stop_reason": response.stop_reason,
+            "logprobs": None,
+        }
+        final.update({"delta": {}} if self.chat else {"text": ""})
+        return [*lines, self.line([final])]
+
+    def _deltas(self, index: int, items: list[str | ToolCall], logprobs: dict[str, Any] | None) -> list[str]:
+        parser = self.calls.get(index)
+        lines = []
+        for item in items:
+            if isinstance(item, ToolCall):
+                assert parser is not None
+                delta: dict[str, Any] = {"tool_calls": [item.to_openai(parser.calls.index(item))]}
+            else:
+                delta = {"content": item}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            lines.append(self.line([choice]))
+            logprobs = None  # once per step
+        if logprobs is not None:  # the step's text is held back; its tokens' logprobs are not
+            choice = {"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None}
+            lines.append(self.line([choice]))
+        return lines
+
+
+async def stream_job(ctx: ServerContext, job: Job) -> Any:
+    from fastapi.responses import StreamingResponse
+
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def emit(kind: str, value: Any) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    loop.run_in_executor(None, _generate_in_thread, ctx, job, emit, cancelled)
+    kind, value = await events.get()
+    if kind == "error":
+        raise api_error(value)
+    chunks = _Chunks(ctx, job)
+
+    async def body() -> AsyncIterator[str]:
+        results: list[Response] = []
+        begun: set[int] = set()
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind in ("step", "choice") and value[0] not in begun:
+                    begun.add(value[0])
+                    for line in chunks.begin(value[0]):
+                        yield line
+                if kind == "step":
+                    for line in chunks.step(*value):
+                        yield line
+                elif kind == "choice":
+                    results.append(value[1])
+                    for line in chunks.end(*value):
+                        yield line
+                elif kind == "done":
+                    if job.include_usage:
+                        yield chunks.line([], usage=total_usage(results), kvstrata=extension(job, results[0]))
+                    break
+                else:  # "fail": the status line is sent already, so the error is an event
+                    yield f"data: {_json(_stream_error(value).body())}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            cancelled.set()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers(job))
+
+
+def _stream_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, KVStrataError):
+        return from_kvstrata(exc)
+    return APIError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

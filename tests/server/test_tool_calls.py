@@ -1,0 +1,162 @@
+"""Tool calling through the API on the tiny model: tool_choice, streaming calls, the errors, and
+KV reuse across an agent's tool loop (the history an agent resends tokenises as it was made)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from server_builders import MODEL_NAME, LiveServer, cached, live_server, tiny_model
+
+from kvstrata.integrations.transformers.model import LoadedModel
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {
+            "type": "object",
+            "properties": {"word": {"enum": ["river", "lake", "sea"]}, "exact": {"type": "boolean"}},
+            "required": ["word", "exact"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+TOOLS = [LOOKUP, CLOCK]
+USER = {"role": "user", "content": "What is a river? Look it up."}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    model: LoadedModel = tiny_model(tmp_path_factory.mktemp("model"))
+    with live_server(model, tmp_path_factory.mktemp("srv"), max_prompt_tokens=4000) as srv:
+        yield srv
+
+
+def create(server: LiveServer, messages: list[dict[str, Any]] | None = None, **kw: Any) -> Any:
+    kw.setdefault("max_tokens", 160)  # one byte per token: a call is about 80
+    kw.setdefault("tools", TOOLS)
+    return server.client().chat.completions.create(model=MODEL_NAME, messages=messages or [USER], **kw)
+
+
+def check_call(call: Any) -> dict[str, Any]:
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "lookup":
+        assert arguments["word"] in ("river", "lake", "sea") and isinstance(arguments["exact"], bool)
+    else:
+        assert call.function.name == "clock" and arguments == {}
+    return arguments  # type: ignore[no-any-return]
+
+
+def test_required_gives_valid_calls_even_from_a_random_model(server: LiveServer) -> None:
+    for seed in range(4):
+        reply = create(server, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        check_call(choice.message.tool_calls[0])
+    # parallel calls: as many as the model writes (this one may go on to max_tokens: then the
+    # cut last call is dropped), each valid
+    several = create(server, tool_choice="required", temperature=1.0, seed=2, max_tokens=400)
+    assert several.choices[0].message.tool_calls
+    for call in several.choices[0].message.tool_calls:
+        check_call(call)
+
+
+def test_a_named_tool_choice_calls_that_function(server: LiveServer) -> None:
+    named = {"type": "function", "function": {"name": "clock"}}
+    calls = create(server, tool_choice=named, temperature=1.0, seed=1).choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["clock"] and calls[0].function.arguments == "{}"
+
+
+def test_none_and_auto_read_no_markup_as_calls(server: LiveServer) -> None:
+    for choice in ("none", "auto"):
+        reply = create(server, tool_choice=choice, max_tokens=8)
+        assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+
+
+def test_streamed_calls_equal_the_batch_ones(server: LiveServer) -> None:
+    kw = {"tool_choice": "required", "temperature": 1.0, "seed": 4, "max_tokens": 400}
+    batch = create(server, **kw).choices[0].message.tool_calls
+    chunks = list(create(server, stream=True, **kw))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(batch)
+    ]
+    assert all(d.id.startswith("call_") for d in deltas)
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "delete_all"}}},
+            "tool_choice names the function 'delete_all', which is not among the tools (lookup, clock)",
+        ),
+        ({"tools": [{"type": "web_search"}]}, "tool type 'web_search' is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+        ({"tools": [LOOKUP, LOOKUP]}, "function names must be unique"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {
+                "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            },
+            "invalid grammar",
+        ),
+        (
+            {"messages": [USER, {"role": "tool", "tool_call_id": "call_x", "content": "42"}]},
+            "tool_call_id 'call_x' does not answer a tool call of an earlier assistant message",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "only assistant messages"),
+    ],
+)
+def test_unknown_tools_and_bad_tool_messages_are_clear_400s(
+    server: LiveServer, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        create(server, **kwargs)
+    assert message in info.value.body["message"]  # type: ignore[index]
+
+
+def test_each_step_of_a_tool_loop_reuses_the_previous_one(server: LiveServer) -> None:
+    """An agent resends its whole history each step: assistant call, tool result, next call. The
+    byte-level tokenizer tokenises a text one way only, so the re-rendered call must be the
+    very tokens generated: the whole previous step (prompt and call) is reused."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You look things up."}, USER]
+    session = {"X-Session-Id": "tool-loop"}
+    previous = None
+    for step in range(3):
+        reply = create(
+            server,
+            messages,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=step,
+            extra_headers=session,
+        )
+        if previous is not None:
+            # everything but the last generated token (its KV was never computed) is reused
+            assert cached(reply) == previous.usage.prompt_tokens + previous.usage.completion_tokens - 1
+        call = reply.choices[0].message.tool_calls[0]
+        # as frameworks send it back: content None, the call's id, name and arguments as received
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {step}"})
+        previous = reply
+    stateless = create(server, messages, tool_choice="none", max_tokens=2)  # shared blocks only
+    assert cached(stateless) >= 0.9 * previous.usage.prompt_tokens
