@@ -280,15 +280,15 @@ def test_disk_full_is_reported_once_and_writing_resumes(
     session = store.create_session("s")
     store.append(session, list(range(8)), token_kv(LAYOUT, list(range(8))))
     store.checkpoint(session)
-    real_write = os.write
+    real_writev = os.writev
     disk_full = True
 
-    def failing_write(fd: int, data: bytes) -> int:
+    def failing_writev(fd: int, buffers: list[memoryview]) -> int:
         if disk_full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(fd, data)
+        return real_writev(fd, buffers)
 
-    monkeypatch.setattr(os, "write", failing_write)
+    monkeypatch.setattr(os, "writev", failing_writev)
     tokens = list(range(8, 20))
     with caplog.at_level("ERROR"):
         store.append(session, tokens, token_kv(LAYOUT, tokens, 8))

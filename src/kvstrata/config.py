@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,11 +43,85 @@ def default_store_dir() -> Path:
     return Path(platformdirs.user_data_dir("kvstrata", appauthor=False)) / "store"
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object, name: str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"`` (K/M/G/T are binary, KB/MB/GB decimal)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is not None and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ConfigError(f"{name} must be a size in bytes (an integer or e.g. '512MiB'), got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceQuota:
+    """Bytes one namespace (tenant) may hold in each tier (None: no limit of its own). A namespace
+    at its quota makes room among its own blocks, so one tenant's burst cannot push out every
+    other tenant's hot blocks."""
+
+    l1_bytes: int | None = None
+    l2_bytes: int | None = None
+    l3_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("l1_bytes", "l2_bytes", "l3_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"namespace quota {name} must be a positive number of bytes or None")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, object], where: str) -> NamespaceQuota:
+        """From ``{"l1_bytes": .., "l2_bytes": .., "l3_bytes": ..}`` (sizes as bytes or '2GiB')."""
+        unknown = set(data) - {"l1_bytes", "l2_bytes", "l3_bytes"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown quota keys {', '.join(sorted(unknown))}")
+        return cls(
+            **{
+                name: parse_size(value, f"{where}.{name}")
+                for name, value in data.items()
+                if value is not None
+            }
+        )
+
+    def bytes_for(self, level: int) -> int | None:
+        """The quota in tier ``level`` (1, 2 or 3)."""
+        return (self.l1_bytes, self.l2_bytes, self.l3_bytes)[level - 1] if 1 <= level <= 3 else None
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     l1_budget_bytes: int = 256 * MiB
     l2_budget_bytes: int = 1 * GiB
     l3_budget_bytes: int | None = None
+    """Disk budget: past it, the least valuable blocks are evicted (None: no limit)."""
+    l3_low_watermark: float = 0.9
+    """Eviction frees L3 down to this fraction of its budget, so that not every write evicts."""
+    namespace_quotas: Mapping[str, NamespaceQuota] = field(default_factory=dict)
+    """Per-namespace byte quotas in each tier (see :class:`NamespaceQuota`)."""
     device: str = "cpu"
     pin_host_memory: bool = False
     high_watermark: float = 0.85
@@ -83,6 +159,11 @@ class StoreConfig:
             )
         if self.encryption_key is not None and len(self.encryption_key) != 32:
             raise ConfigError("encryption_key must be 32 bytes")
+        if not 0.0 < self.l3_low_watermark <= 1.0:
+            raise ConfigError("l3_low_watermark must be in (0, 1]")
+        for namespace, quota in self.namespace_quotas.items():
+            if not isinstance(quota, NamespaceQuota):
+                raise ConfigError(f"the quota of namespace {namespace!r} must be a NamespaceQuota")
         if self.min_dwell_s < 0:
             raise ConfigError("min_dwell_s must be >= 0")
         for name in ("l1_idle_demote_s", "l2_idle_demote_s"):

@@ -25,7 +25,7 @@ def test_round_trip(name: str, dtype: str, tokens: int, start_pos: int) -> None:
     codec = get_codec(name)
     block = codec.encode(kv, BlockContext(start_pos=start_pos))
     assert block.codec == codec.codec_id and block.num_tokens == tokens
-    assert isinstance(block.payload, bytes) and isinstance(block.params, bytes)
+    assert isinstance(block.payload, bytes | memoryview) and isinstance(block.params, bytes)
     if name != "identity":
         assert block.params[0] == 1  # params version
     out = decode(block, layout)

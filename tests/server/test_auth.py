@@ -10,6 +10,7 @@ import openai
 import pytest
 from server_builders import LiveServer, cached, chat, live_server, tiny_model
 
+from kvstrata.config import NamespaceQuota
 from kvstrata.errors import ConfigError
 from kvstrata.server.auth import ApiKeys, check_bind
 
@@ -71,6 +72,34 @@ def test_keys_from_env_and_files(tmp_path: Path) -> None:
     assert not ApiKeys.load(None, None).enabled
     with pytest.raises(ConfigError):
         ApiKeys({"k": "bad/tenant"})
+
+
+def test_the_keys_file_gives_tenants_quotas(tmp_path: Path) -> None:
+    (tmp_path / "keys.toml").write_text(
+        '[keys]\nk1 = "a"\nk2 = "b"\n[quotas.a]\nl1_bytes = "64MiB"\nl3_bytes = 2000000000\n'
+    )
+    keys = ApiKeys.load(tmp_path / "keys.toml", None)
+    assert keys.quotas == {"a": NamespaceQuota(l1_bytes=64 << 20, l3_bytes=2_000_000_000)}
+    (tmp_path / "bad.json").write_text(json.dumps({"keys": {"k": "a"}, "quotas": {"a": {"l4_bytes": 1}}}))
+    with pytest.raises(ConfigError, match="unknown quota keys l4_bytes"):
+        ApiKeys.load(tmp_path / "bad.json", None)
+    (tmp_path / "bad2.json").write_text(
+        json.dumps({"keys": {"k": "a"}, "quotas": {"a": {"l3_bytes": "lots"}}})
+    )
+    with pytest.raises(ConfigError, match="size in bytes"):
+        ApiKeys.load(tmp_path / "bad2.json", None)
+
+
+def test_metrics_show_bytes_per_namespace_and_tier(server: LiveServer) -> None:
+    chat(server.client("key-a"), PROMPT, "m1")
+    chat(server.client("key-b"), PROMPT, "m2")
+    server.store.flush()
+    text = server.http("key-a").get("/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith("kvstrata_namespace_bytes{")]
+    assert any('namespace="tenant-a",tier="L3"' in line for line in lines)
+    assert any('namespace="tenant-b",tier="L3"' in line for line in lines)
+    assert any('tier="L1"' in line for line in lines)
+    assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in lines)
 
 
 def test_no_keys_means_loopback_only() -> None:

@@ -70,7 +70,9 @@ def serve(
         keys = ApiKeys.load(api_keys, os.environ.get(ENV_VAR))
         check_bind(host, keys)
         config = StoreConfig(
-            remote=remote_config(remote, remote_cluster), encryption_key=encryption_key_from_env()
+            remote=remote_config(remote, remote_cluster),
+            encryption_key=encryption_key_from_env(),
+            namespace_quotas=keys.quotas,
         )
         modes = {}
         if background_memory:

@@ -19,6 +19,7 @@ from kvstrata.codecs.naive_int4 import NaiveInt4Codec
 from kvstrata.codecs.sparse import SparseCodec
 from kvstrata.errors import ConfigError, CorruptBlockError
 from kvstrata.layout import KVLayout
+from kvstrata.transfer import copy_tensor
 
 _REGISTRY: dict[CodecId, type] = {
     CodecId.IDENTITY: IdentityCodec,
@@ -54,6 +55,20 @@ def get_codec(name: str | CodecId, **options: object) -> Codec:
     raise ConfigError(f"unknown codec {name!r}; known: {', '.join(codec_names())}")
 
 
+def decode_into(block: EncodedBlock, layout: KVLayout, dest: torch.Tensor) -> None:
+    """Decode ``block`` into ``dest`` (a view shaped like the block, on any device): codecs that
+    can write there directly do (identity: one copy); the others decode, then copy."""
+    cls = _REGISTRY.get(block.codec)
+    if cls is None:
+        raise CorruptBlockError(f"block record names unknown codec id {int(block.codec)}")
+    codec = cls()
+    into = getattr(codec, "decode_into", None)
+    if into is not None and dest.device.type == "cpu":
+        into(block, layout, dest)
+    else:
+        copy_tensor(dest, codec.decode(block, layout))
+
+
 def decode(block: EncodedBlock, layout: KVLayout) -> torch.Tensor:
     """Decode a record with the codec its id names; an unknown id is corruption, never a guess."""
     cls = _REGISTRY.get(block.codec)
@@ -79,6 +94,7 @@ __all__ = [
     "SparseCodec",
     "codec_names",
     "decode",
+    "decode_into",
     "get_codec",
     "register",
 ]

@@ -39,7 +39,9 @@ class EncodedBlock:
 
     codec: CodecId
     params: bytes
-    payload: bytes
+    payload: bytes | memoryview
+    """The encoded bytes; a memoryview where a tier or codec hands out its memory without a copy
+    (the identity codec over a tensor it was given, a verified file read)."""
     num_tokens: int
 
     @property
@@ -73,6 +75,13 @@ def tensor_bytes(kv: torch.Tensor) -> bytes:
     """The exact bytes of a tensor (any dtype, bfloat16 included), in C order."""
     flat = kv.detach().to("cpu").contiguous().view(torch.uint8)
     return flat.numpy().tobytes()
+
+
+def tensor_buffer(kv: torch.Tensor) -> memoryview:
+    """The bytes of a tensor without a copy when it is already a contiguous CPU tensor (the
+    buffer then shares its memory: the tensor must not change while the buffer is in use)."""
+    flat = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 def tensor_from_bytes(

@@ -2,7 +2,9 @@
 
 Keys come from a JSON or TOML file (``{"keys": {"KEY": "tenant"}}`` or a flat ``{"KEY": "tenant"}``)
 or from ``KVSTRATA_API_KEYS="key1:tenantA,key2:tenantB"``. With no keys, every request is the
-tenant ``default`` and the server may only listen on a loopback address.
+tenant ``default`` and the server may only listen on a loopback address. The file may also give
+tenants byte quotas per tier (``{"keys": {...}, "quotas": {"tenantA": {"l3_bytes": "20GiB"}}}``),
+so that one tenant's burst cannot push another's hot blocks out of memory or off the disk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstrata.config import NamespaceQuota
 from kvstrata.errors import ConfigError
 from kvstrata.store import DEFAULT_NAMESPACE
 from kvstrata.store.sessions import validate_session_id
@@ -24,6 +27,8 @@ ENV_VAR = "KVSTRATA_API_KEYS"
 @dataclass(frozen=True, slots=True)
 class ApiKeys:
     tenants_by_key: dict[str, str] = field(default_factory=dict)
+    quotas: dict[str, NamespaceQuota] = field(default_factory=dict)
+    """Per-tenant byte quotas per tier (from the keys file's ``quotas`` table)."""
 
     def __post_init__(self) -> None:
         for key, tenant in self.tenants_by_key.items():
@@ -66,11 +71,18 @@ class ApiKeys:
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read API keys from {path}: {exc}") from exc
+        quotas: dict[str, NamespaceQuota] = {}
         if isinstance(data, dict) and isinstance(data.get("keys"), dict):
+            table = data.get("quotas", {})
+            if not isinstance(table, dict) or not all(isinstance(q, dict) for q in table.values()):
+                raise ConfigError(
+                    f"{path}: quotas must be a table of tenant = {{l1_bytes, l2_bytes, l3_bytes}}"
+                )
+            quotas = {t: NamespaceQuota.from_mapping(q, f"{path}: quotas.{t}") for t, q in table.items()}
             data = data["keys"]
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
             raise ConfigError(f"{path}: expected a table of key = tenant")
-        return cls(dict(data))
+        return cls(dict(data), quotas)
 
     @classmethod
     def load(cls, path: Path | None, env: str | None) -> ApiKeys:

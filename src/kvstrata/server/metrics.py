@@ -48,7 +48,7 @@ class StoreCollector(Collector):
         counters = self.store.counters
         families = {
             name: CounterMetricFamily(f"kvstrata_tier_{name}", f"Block {name} per tier.", labels=["tier"])
-            for name in ("hits", "misses", "promotions", "demotions")
+            for name in ("hits", "misses", "promotions", "demotions", "evictions")
         }
         for level, tier_counters in counters.tiers.items():
             for name, family in families.items():
@@ -87,6 +87,14 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "kvstrata_sessions", "Sessions in the store.", value=len(self.store.list_sessions())
         )
+        per_namespace = GaugeMetricFamily(
+            "kvstrata_namespace_bytes",
+            "Bytes each namespace (tenant) holds per tier ('' for blocks of unrecorded namespace).",
+            labels=["namespace", "tier"],
+        )
+        for (namespace, level), nbytes in sorted(self.store.namespace_usage().items()):
+            per_namespace.add_metric([namespace, level.name], nbytes)
+        yield per_namespace
 
 
 class QueueCollector(Collector):

@@ -17,12 +17,14 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvstrata.config import WritePolicy
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
 
 if TYPE_CHECKING:
     from kvstrata.store.placement import TieredStore
+    from kvstrata.store.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,39 @@ class Demoter:
             self.demote(key, index)
             freed_any = True
         return freed_any
+
+    def within_quota(self, index: int, incoming: KVBlock) -> bool:
+        """Whether ``incoming`` fits its namespace's quota in tier ``index``, after demoting that
+        namespace's own blocks to make room (call with the lock held); True without a quota."""
+        tiered = self.tiered
+        stats = tiered.stats.get(incoming.key)
+        namespace = (stats.namespace if stats is not None else None) or incoming.namespace or ""
+        quota = tiered.config.namespace_quotas.get(namespace)
+        tier = tiered.memory_tiers[index]
+        limit = quota.bytes_for(int(tier.level)) if quota is not None else None
+        if limit is None or tier.contains(incoming.key):
+            return True
+        size = _charge(tier, incoming, tiered.layout.bytes_per_block)
+        own = [
+            key
+            for key in tier.keys()  # noqa: SIM118 (a Tier method)
+            if (s := tiered.stats.get(key)) is not None and (s.namespace or "") == namespace
+        ]
+        used = sum(tier.block_bytes(key) for key in own)
+        if used + size <= limit:
+            return True
+        candidates = []
+        for key in own:
+            s = tiered.stats.ensure(key)
+            if s.ref_count == 0:
+                s.nbytes = tier.block_bytes(key)
+                candidates.append(s)
+        for key in tiered.scorer.order(candidates, time.monotonic()):
+            if used + size <= limit:
+                break
+            used -= tier.block_bytes(key)
+            self.demote(key, index)
+        return used + size <= limit
 
     def over_high(self, index: int) -> bool:
         usage = self.tiered.memory_tiers[index].usage()
@@ -201,5 +236,16 @@ class Demoter:
             tiered.counters.dropped_dirty += 1
             log.warning("dropping block %s: no memory tier can keep it and L3 is failing", key.hex()[:16])
             return
-        # write-back (or an L2 too small to keep it): L3 becomes its only home
+        if tiered.config.write_policy is WritePolicy.WRITE_THROUGH and key not in writer.failed:
+            # written to L3 when it was made, and gone from there since: evicted (or collected)
+            # as not worth keeping; writing it back would only evict something else
+            return
+        # write-back (or a write that failed): L3 becomes its only home
         writer.submit(tiered.fit(block, TierLevel.L3))
+
+
+def _charge(tier: Tier, block: KVBlock, slot_bytes: int) -> int:
+    """Bytes ``block`` will take in ``tier``: a whole slot in L1, its encoded size below."""
+    if tier.level is TierLevel.L1 or block.encoded is None:
+        return slot_bytes
+    return block.encoded.nbytes

@@ -86,6 +86,31 @@ def encode_record(
     namespace: str | None = None,
 ) -> bytes:
     """The record bytes; sealed with ``namespace``'s key when a ``keyring`` is given."""
+    return b"".join(
+        record_parts(
+            key,
+            block,
+            layout_fingerprint,
+            start_pos=start_pos,
+            created_ns=created_ns,
+            keyring=keyring,
+            namespace=namespace,
+        )
+    )
+
+
+def record_parts(
+    key: BlockKey,
+    block: EncodedBlock,
+    layout_fingerprint: bytes,
+    *,
+    start_pos: int = 0,
+    created_ns: int | None = None,
+    keyring: Keyring | None = None,
+    namespace: str | None = None,
+) -> list[bytes | memoryview]:
+    """The record as its four parts (header, params, payload, trailer), the payload not copied:
+    what ``os.writev`` writes to a file in one call."""
     params, payload, flags = block.params, block.payload, 0
     if keyring is not None:
         if namespace is None:
@@ -116,7 +141,7 @@ def encode_record(
     crc = crc32c.crc32c(header)
     crc = crc32c.crc32c(params, crc)
     crc = crc32c.crc32c(payload, crc)
-    return b"".join((header, params, payload, _TRAILER.pack(crc)))
+    return [header, params, payload, _TRAILER.pack(crc)]
 
 
 def parse_header(data: bytes | memoryview, path: Path | str | None = None) -> RecordHeader:
@@ -181,7 +206,8 @@ def decode_record(
     except ValueError as exc:
         raise CorruptBlockError(f"unknown codec id {header.codec}", path) from exc
     params_end = HEADER_BYTES + header.params_len
-    params, payload = bytes(view[HEADER_BYTES:params_end]), bytes(view[params_end:body_end])
+    # the payload stays a view of ``data`` (no copy): it lives as long as the block does
+    params, payload = bytes(view[HEADER_BYTES:params_end]), view[params_end:body_end]
     if header.encrypted:
         return _open_sealed(header, params, payload, keyring, path)
     return header, EncodedBlock(codec, params, payload, header.num_tokens)

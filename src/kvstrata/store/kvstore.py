@@ -13,10 +13,9 @@ reading and writing a session's KV is :class:`~kvstrata.store.session_io.Session
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvstrata.config import StoreConfig, default_store_dir
@@ -33,8 +32,8 @@ from kvstrata.errors import (
 from kvstrata.keys import BlockKey, chain_key, root_key
 from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
-from kvstrata.store.block import KVBlock
-from kvstrata.store.counters import StoreCounters
+from kvstrata.store.block_access import BlockAccess
+from kvstrata.store.evictor import Evictor
 from kvstrata.store.index import Index
 from kvstrata.store.keycheck import check_encryption_key
 from kvstrata.store.leasing import Leasing
@@ -43,7 +42,7 @@ from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.session_io import LoadedKV, SessionIO
 from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
 from kvstrata.store.stats import StoreStats
-from kvstrata.store.tiers.base import Tier, TierLevel, TierUsage
+from kvstrata.store.tiers.base import Tier
 from kvstrata.store.tiers.device import DeviceTier
 from kvstrata.store.tiers.disk import DiskTier
 from kvstrata.store.tiers.host import HostTier
@@ -90,7 +89,7 @@ def build_tiers(
     return memory, disk, remote
 
 
-class KVStore(Leasing, SessionIO):
+class KVStore(BlockAccess, Leasing, SessionIO):
     def __init__(
         self,
         root: Path | str | None = None,
@@ -135,6 +134,11 @@ class KVStore(Leasing, SessionIO):
                 remote=remote,
                 encrypted=self.config.encryption_key is not None,
             )
+            if not read_only and (
+                self.config.l3_budget_bytes is not None
+                or any(q.l3_bytes is not None for q in self.config.namespace_quotas.values())
+            ):
+                disk.evictor = Evictor(self.tiered, disk, self.root, live_keys=self._live_keys)
         except BaseException:
             if self.index is not None:
                 self.index.close()
@@ -145,6 +149,16 @@ class KVStore(Leasing, SessionIO):
         self.checkpoints = 0
         self.checkpoint_seconds = 0.0
         self.open_seconds = time.perf_counter() - started
+
+    def _live_keys(self) -> list[BlockKey]:
+        """Blocks the sessions this process is working on need: those inside ``leased`` (a
+        request in progress) and those with changes not checkpointed yet."""
+        return [
+            key
+            for (namespace, sid), session in list(self._sessions.items())
+            if (namespace, sid) in self._lease_depth or session.num_tokens != session.checkpointed_tokens
+            for key in session.all_keys()
+        ]
 
     def _writable(self) -> None:
         if self.read_only:
@@ -202,96 +216,6 @@ class KVStore(Leasing, SessionIO):
                 break
             found.append(key)
         return found
-
-    # -- blocks: what the engine, the server and the connector may ask -------------------------
-    @property
-    def counters(self) -> StoreCounters:
-        """Hits, misses and moves per tier, and error counts, since this process opened the store."""
-        return self.tiered.counters
-
-    @property
-    def has_remote(self) -> bool:
-        return self.tiered.remote is not None
-
-    def contains(self, key: BlockKey) -> bool:
-        return self.tiered.contains(key)
-
-    def where(self, key: BlockKey) -> TierLevel | None:
-        """The highest tier holding ``key`` (None: no tier does)."""
-        return self.tiered.where(key)
-
-    def put_block(
-        self, block: KVBlock, *, priority: Priority | str | None = None, namespace: str | None = None
-    ) -> None:
-        """Store one block computed elsewhere (the vLLM connector's saves); deduplicated by key."""
-        self._writable()
-        self.layout.check_block(block.decoded(self.layout), block.num_tokens)
-        self.tiered.put(
-            block, priority=Priority.parse(priority) if priority is not None else None, namespace=namespace
-        )
-
-    def get_block(self, key: BlockKey) -> KVBlock | None:
-        """One block from whichever tier holds it (verified), or None."""
-        return self.tiered.get(key)
-
-    def lookup(
-        self, key: BlockKey, *, priority: Priority | str | None = None, scheduled: bool = True
-    ) -> tuple[KVBlock, TierLevel] | None:
-        """``key`` and the tier it was found in, promoted towards device memory; a copy lossier
-        than ``priority``'s class accepts counts as missing. ``scheduled=False`` (a hint, not a
-        running request) does not promote blocks still in their dwell time after a demotion."""
-        prio = Priority.parse(priority) if priority is not None else None
-        max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
-        return self.tiered.lookup(key, priority=prio, max_loss=max_loss, scheduled=scheduled)
-
-    def tier_usage(self) -> dict[TierLevel, TierUsage]:
-        """Blocks and bytes each local tier holds now."""
-        return {tier.level: tier.usage() for tier in self.tiered.tiers}
-
-    def prefetch_remote(self, keys: Sequence[BlockKey]) -> int:
-        """Fetch the blocks of ``keys`` no local tier holds from L4 in one pipelined round trip."""
-        return self.tiered.prefetch_remote(keys)
-
-    @contextlib.contextmanager
-    def hold(self, keys: Iterable[BlockKey]) -> Iterator[None]:
-        """Keep ``keys`` in their tiers (never demoted) while the caller uses them."""
-        with self.tiered.stats.hold(keys):
-            yield
-
-    def demote_from_l1(self, keys: Iterable[BlockKey]) -> None:
-        """Move ``keys`` out of device memory in the background (sessions no longer resident)."""
-        self.tiered.demote_from_l1(keys)
-
-    def wait_demotions(self) -> None:
-        """Wait until background demotions are done (tests and benchmarks)."""
-        self.tiered.wait_demotions()
-
-    def set_next_use(self, keys: Iterable[BlockKey], seconds: float) -> None:
-        """Expected seconds until ``keys`` are used again (a session's request rate, a hint)."""
-        self.tiered.stats.set_next_use(keys, seconds)
-
-    def protect(self, keys: Iterable[BlockKey]) -> None:
-        """Demote ``keys`` only after every unprotected block (a system prompt's blocks)."""
-        self.tiered.stats.protect(keys)
-
-    def is_protected(self, key: BlockKey) -> bool:
-        return self.tiered.stats.protected(key)
-
-    def add_importance(self, scores: Iterable[tuple[BlockKey, float]]) -> None:
-        """Credit blocks with the attention mass they received (kept longer by the cost scorer)."""
-        self.tiered.stats.add_importance(scores)
-
-    def importance(self, key: BlockKey) -> float:
-        return self.tiered.stats.importance(key)
-
-    def persist_memory(self) -> list[BlockKey]:
-        """Write every block held only in memory to L3 (a clean stop in write-back mode); the keys
-        that could not be written are returned."""
-        return self.tiered.persist_memory()
-
-    def retry_failed_writes(self) -> int:
-        """Re-queue blocks whose L3 write failed (once disk space is back); how many succeeded."""
-        return self.tiered.retry_failed_writes()
 
     # -- sessions --------------------------------------------------------------------------------
     def create_session(

@@ -30,10 +30,7 @@ from kvstrata import codecs
 from kvstrata.codecs import Codec, CodecId
 from kvstrata.config import StoreConfig, WritePolicy
 from kvstrata.errors import (
-    CorruptBlockError,
-    EncryptionKeyError,
     KVStrataError,
-    LayoutMismatchError,
     TierUnavailableError,
 )
 from kvstrata.keys import BlockKey
@@ -48,6 +45,7 @@ from kvstrata.store.demoter import Demoter
 from kvstrata.store.durability import DiskWriter
 from kvstrata.store.reencoder import ReEncoder
 from kvstrata.store.remote_mirror import RemoteMirror
+from kvstrata.store.restore import Restorer
 from kvstrata.store.tiers.base import Tier, TierLevel, TierUsage
 from kvstrata.store.tiers.remote import RedisTier
 
@@ -90,6 +88,7 @@ class TieredStore:
         self.disk_writer = DiskWriter(disk, config, self.counters, seal=self.seal, after_write=behind)
         self.reencoder = ReEncoder(self)
         self.demoter = Demoter(self)
+        self.restorer = Restorer(self)
 
     def tier(self, level: TierLevel) -> Tier:
         """The local tier of ``level`` (memory tiers with no budget included)."""
@@ -129,16 +128,19 @@ class TieredStore:
         return min(ranks) if ranks else None
 
     def seal(self, block: KVBlock) -> KVBlock:
-        """``block`` carrying its namespace, which seals it when the store encrypts at rest."""
-        if block.namespace is not None or not self.encrypted:
+        """``block`` carrying its namespace: the index records it (quotas are per namespace), and
+        it seals the block when the store encrypts at rest."""
+        if block.namespace is not None:
             return block
         stats = self.stats.get(block.key)
-        if stats is None or stats.namespace is None:
+        if stats is not None and stats.namespace is not None:
+            return dataclasses.replace(block, namespace=stats.namespace)
+        if self.encrypted:
             # never written in the clear by mistake: the write fails and the block stays in memory
             raise TierUnavailableError(
                 f"block {block.key.hex()[:16]} has no known namespace to encrypt it under"
             )
-        return dataclasses.replace(block, namespace=stats.namespace)
+        return block
 
     # -- lookups ---------------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -179,78 +181,18 @@ class TieredStore:
         time after a demotion: that is what keeps blocks from bouncing between tiers.
         """
         started = time.perf_counter()
-        found = self._lookup(key, priority=priority, max_loss=max_loss, scheduled=scheduled)
+        found = self.restorer.lookup(key, priority, max_loss, scheduled)
         if found is not None:
             self.counters.tiers[found[1]].load_seconds += time.perf_counter() - started
         return found
 
-    def _acceptable(self, block: KVBlock, max_loss: int | None) -> bool:
+    def acceptable(self, block: KVBlock, max_loss: int | None) -> bool:
         if max_loss is None or block.encoded is None or block.tensor is not None:
             return True
         if LOSS_RANK[block.encoded.codec] <= max_loss:
             return True
         self.counters.rejected_lossy += 1
         return False
-
-    def _lookup(
-        self, key: BlockKey, *, priority: Priority | None, max_loss: int | None, scheduled: bool
-    ) -> tuple[KVBlock, TierLevel] | None:
-        with self.lock:
-            for tier in self.memory_tiers:
-                block = tier.get(key)
-                if block is not None and self._acceptable(block, max_loss):
-                    self.counters.tiers[tier.level].hits += 1
-                    self.stats.touch(key, block.num_tokens, priority, block.start_pos)
-                    if tier.level is not self.memory_tiers[0].level and self._may_promote(key, scheduled):
-                        block = self.promote(block, tier.level)
-                    return block, tier.level
-            pending = self.disk_writer.pending(key)
-            if pending is not None and self._acceptable(pending, max_loss):
-                # still in the writer's queue: served from memory, counted as a disk hit
-                self.counters.tiers[self.disk.level].hits += 1
-                self.stats.touch(key, pending.num_tokens, priority, pending.start_pos)
-                return self.promote(pending, self.disk.level), self.disk.level
-        block = self._disk_get(key, max_loss)  # file I/O outside the lock
-        level = self.disk.level
-        if block is None and self.remote is not None:
-            block = self.remote.get(key, max_loss)
-            level = TierLevel.L4
-        with self.lock:
-            if block is None:
-                for tier in (*self.memory_tiers, self.disk):
-                    self.counters.tiers[tier.level].misses += 1
-                if self.remote is not None:
-                    self.counters.tiers[TierLevel.L4].misses += 1
-                return None
-            self.counters.tiers[level].hits += 1
-            stats = self.stats.touch(key, block.num_tokens, priority, block.start_pos)
-            stats.namespace = stats.namespace or block.namespace
-            if level is TierLevel.L4:
-                self.counters.tiers[level].promotions += 1
-                self.disk_writer.submit(block)  # keep a local, durable copy of what another engine wrote
-            if self._may_promote(key, scheduled):
-                block = self.promote(block, level)
-            return block, level
-
-    def _disk_get(self, key: BlockKey, max_loss: int | None) -> KVBlock | None:
-        on_disk = self.disk.codec_of(key)
-        if on_disk is not None and max_loss is not None and LOSS_RANK[CodecId(on_disk)] > max_loss:
-            self.counters.rejected_lossy += 1
-            return None
-        if on_disk is None:
-            return None
-        try:
-            return self.disk.get(key)
-        except CorruptBlockError as exc:
-            self.counters.corrupt_blocks += 1
-            log.error("treating corrupt block as missing: %s", exc)
-        except LayoutMismatchError as exc:
-            self.counters.corrupt_blocks += 1
-            log.error("treating foreign block as missing: %s", exc)
-        except EncryptionKeyError as exc:
-            self.counters.unreadable_blocks += 1
-            log.error("treating encrypted block as missing: %s", exc)
-        return None
 
     def prefetch_remote(self, keys: Sequence[BlockKey]) -> int:
         """Fetch the blocks of ``keys`` that no local tier holds from L4 in one pipelined round
@@ -361,6 +303,9 @@ class TieredStore:
             if stop_before is not None and tier.level >= stop_before:
                 return None
             stored = self.fit(block, tier.level) if tier.level is not TierLevel.L1 else block
+            if not self.demoter.within_quota(i, stored):
+                self.counters.tiers[tier.level].rejected += 1
+                continue  # its namespace is at its quota here and keeps what it has
             if not tier.put(stored) and not (self.demoter.make_room(i) and tier.put(stored)):
                 self.counters.tiers[tier.level].rejected += 1
                 continue
@@ -369,7 +314,7 @@ class TieredStore:
             return tier
         return None
 
-    def _may_promote(self, key: BlockKey, scheduled: bool) -> bool:
+    def may_promote(self, key: BlockKey, scheduled: bool) -> bool:
         if not self.config.promote_on_read:
             return False
         stats = self.stats.get(key)
@@ -422,6 +367,7 @@ class TieredStore:
             self.remote.flush()
 
     def close(self) -> None:
+        self.restorer.close()
         self.demoter.close()
         self.reencoder.close()
         self.disk_writer.close()

@@ -204,41 +204,30 @@ class SessionIO:
         max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
         bt = self.layout.block_tokens
         full = len(keys) if full_blocks is None else full_blocks
-        want = len(keys) * bt if num_tokens is None else num_tokens
-        by_tier: dict[TierLevel, int] = {}
-        got = 0
-        buffer: torch.Tensor | None = None
+        want = min(len(keys) * bt if num_tokens is None else num_tokens, len(keys) * bt)
+        if want <= 0:
+            return LoadedKV(None, 0, {}, None if want >= 0 else 0, None)
+        # room for whole blocks (each is decoded in place) and for the tokens to come
+        shape = self.layout.block_shape(max(-(-want // bt) * bt, capacity or 0))
+        device = torch.device(self.config.device)
+        if (
+            out is not None
+            and out.shape[:3] == shape[:3]
+            and out.shape[4] == shape[4]
+            and out.shape[3] >= shape[3]
+            and out.dtype == self.layout.torch_dtype
+            and out.device == device
+        ):
+            buffer = out
+        else:
+            buffer = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
         with self.tiered.stats.hold(keys):
-            for i, key in enumerate(keys):
-                if got >= want:
-                    break
-                found = self.tiered.lookup(key, priority=prio, max_loss=max_loss)
-                if found is None:
-                    break
-                block, level = found
-                tensor = block.decoded(self.layout)
-                if i < full and tensor.shape[3] != bt:
-                    break
-                take = min(tensor.shape[3], want - got)
-                if buffer is None:
-                    shape = self.layout.block_shape(max(want, capacity or 0))
-                    if (
-                        out is not None
-                        and out.shape[:3] == shape[:3]
-                        and out.shape[4] == shape[4]
-                        and out.shape[3] >= shape[3]
-                        and out.dtype == tensor.dtype
-                        and out.device == tensor.device
-                    ):
-                        buffer = out
-                    else:
-                        buffer = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-                # copies out of the pool while the blocks are held
-                buffer[:, :, :, got : got + take].copy_(tensor[:, :, :, :take])
-                by_tier[level] = by_tier.get(level, 0) + take
-                got += take
-        kv = buffer[:, :, :, :got] if buffer is not None else None
-        return LoadedKV(kv, got, by_tier, None if got >= want else got, buffer)
+            got, by_tier = self.tiered.restorer.restore(
+                keys, buffer, want, full=full, priority=prio, max_loss=max_loss
+            )
+        if got == 0:
+            return LoadedKV(None, 0, {}, 0, None)
+        return LoadedKV(buffer[:, :, :, :got], got, by_tier, None if got >= want else got, buffer)
 
     # -- durability ------------------------------------------------------------------------------
     def checkpoint(self, session: Session) -> None:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from kvstrata.store import KVStore
 
 _SNAPSHOT = "stats_snapshot"
+_COUNTED = ("hits", "misses", "promotions", "demotions", "rejected", "evictions")
+"""Per-tier counters: each process adds its own to the totals when it closes the store."""
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class TierStats:
     """Bytes the tier's blocks take decoded; ``compression_ratio`` = logical / stored."""
     compression_ratio: float = 1.0
     live: bool = True
+    evictions: int = 0
+    """Blocks removed for good to make room (the bounded L3 only)."""
     """False: figures of the last process that closed the store (memory tiers are volatile)."""
 
 
@@ -86,6 +90,7 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
                 by_codec,
                 logical,
                 round(logical / usage.stored_bytes, 3) if usage.stored_bytes else 1.0,
+                evictions=c.evictions,
             )
         )
     return out
@@ -103,7 +108,7 @@ def collect(store: KVStore) -> StoreStats:
     tiers = live_tier_stats(store)
     for t in tiers:
         prev = previous.get(t.tier, {})
-        for name in ("hits", "misses", "promotions", "demotions", "rejected"):
+        for name in _COUNTED:
             setattr(t, name, getattr(t, name) + prev.get(name, 0))
         if t.tier != "L3" and t.blocks == 0 and t.budget_bytes == 0 and prev:
             # this process runs without memory tiers (the CLI): show the last owner's figures
@@ -141,7 +146,9 @@ def persist(store: KVStore) -> None:
         if not owns_memory and t.tier != "L3" and t.tier in previous:
             data = {
                 **previous[t.tier],
-                **{k: data[k] for k in ("hits", "misses", "promotions", "demotions", "rejected")},
+                **{
+                    k: data[k] for k in ("hits", "misses", "promotions", "demotions", "rejected", "evictions")
+                },
             }
         tiers.append(data)
     snapshot = {

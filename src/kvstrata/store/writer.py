@@ -1,5 +1,9 @@
 """A bounded background writer that moves blocks into a slow tier off the request path.
 
+It takes whatever is queued in batches (``max_batch_blocks``), so a tier that can write many
+blocks at once (L3's group commit: all files durable, then one index transaction) is handed them
+together, while a lone block is written at once.
+
 ``submit`` blocks when more than ``max_queue_bytes`` are in flight (backpressure, so a fast
 producer cannot grow memory without bound); an optional bandwidth cap paces the writes. A
 failed write (disk full, I/O error) is reported once per outage, handed back to the owner
@@ -25,15 +29,22 @@ log = logging.getLogger(__name__)
 class BackgroundWriter:
     def __init__(
         self,
-        write: Callable[[KVBlock], bool],
+        write: Callable[[KVBlock], bool] | None = None,
         *,
+        write_many: Callable[[list[KVBlock]], list[Exception | None]] | None = None,
+        max_batch_blocks: int = 1,
+        max_batch_bytes: int = 256 << 20,
         max_queue_bytes: int = 256 << 20,
         bandwidth_bytes_per_s: float | None = None,
         on_done: Callable[[KVBlock], None] | None = None,
         on_failure: Callable[[KVBlock, Exception], None] | None = None,
         name: str = "kvstrata-writer",
     ) -> None:
-        self._write = write
+        if (write is None) == (write_many is None):
+            raise ValueError("give write or write_many")
+        self._write_many = write_many if write_many is not None else self._one_by_one(write)  # type: ignore[arg-type]
+        self.max_batch_blocks = max_batch_blocks
+        self.max_batch_bytes = max_batch_bytes
         self.max_queue_bytes = max_queue_bytes
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self._on_done = on_done
@@ -49,6 +60,20 @@ class BackgroundWriter:
         self.written_bytes = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _one_by_one(write: Callable[[KVBlock], bool]) -> Callable[[list[KVBlock]], list[Exception | None]]:
+        def write_many(blocks: list[KVBlock]) -> list[Exception | None]:
+            errors: list[Exception | None] = []
+            for block in blocks:
+                try:
+                    write(block)
+                    errors.append(None)
+                except (TierUnavailableError, OSError) as exc:
+                    errors.append(exc)
+            return errors
+
+        return write_many
 
     @staticmethod
     def _size(block: KVBlock) -> int:
@@ -103,46 +128,67 @@ class BackgroundWriter:
                     return False
                 self._cond.wait(remaining)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
+    def _take_batch(self) -> list[KVBlock] | None:
+        """The next batch (up to ``max_batch_blocks`` blocks or ``max_batch_bytes``), moved to in
+        flight; None once closed and drained."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            batch: list[KVBlock] = []
+            size = 0
+            while (
+                self._queue
+                and len(batch) < self.max_batch_blocks
+                and (not batch or size < self.max_batch_bytes)
+            ):
                 key, block = self._queue.popitem(last=False)
                 self._inflight[key] = block
-            size = self._size(block)
+                batch.append(block)
+                size += self._size(block)
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
             started = time.monotonic()
-            error: Exception | None = None
             try:
-                self._write(block)
+                errors = self._write_many(batch)
             except (TierUnavailableError, OSError) as exc:
-                error = exc
+                errors = [exc] * len(batch)
+            sizes = [self._size(block) for block in batch]
             with self._cond:
-                del self._inflight[key]
-                self._queued_bytes -= size
+                for block, size in zip(batch, sizes, strict=True):
+                    del self._inflight[block.key]
+                    self._queued_bytes -= size
                 self._cond.notify_all()
-            if error is None:
-                if self.outage is not None:
-                    log.warning("background writes resumed after: %s", self.outage)
-                    self.outage = None
-                self.written_blocks += 1
-                self.written_bytes += size
-                if self._on_done:
-                    self._on_done(block)
-            else:
-                self.failures += 1
-                if self.outage is None:
-                    self.outage = str(error)
-                    log.error("background write failed, keeping blocks in memory: %s", error)
-                if self._on_failure:
-                    self._on_failure(block, error)
+            for block, size, error in zip(batch, sizes, errors, strict=True):
+                self._finished(block, size, error)
             if self.bandwidth_bytes_per_s:
-                # pace: this write "costs" size/bandwidth seconds of the budget
-                sleep_s = size / self.bandwidth_bytes_per_s - (time.monotonic() - started)
+                # pace: this batch "costs" size/bandwidth seconds of the budget
+                sleep_s = sum(sizes) / self.bandwidth_bytes_per_s - (time.monotonic() - started)
                 if sleep_s > 0:
                     time.sleep(sleep_s)
+
+    def _finished(self, block: KVBlock, size: int, error: Exception | None) -> None:
+        if error is None:
+            if self.outage is not None:
+                log.warning("background writes resumed after: %s", self.outage)
+                self.outage = None
+            self.written_blocks += 1
+            self.written_bytes += size
+            if self._on_done:
+                self._on_done(block)
+            return
+        self.failures += 1
+        if self.outage is None:
+            self.outage = str(error)
+            log.error("background write failed, keeping blocks in memory: %s", error)
+        if self._on_failure:
+            self._on_failure(block, error)
 
     def close(self, flush: bool = True) -> None:
         if flush:

@@ -130,13 +130,20 @@ class BlockTable:
     def put(self, row: BlockRow) -> Placement | None:
         """Insert or replace ``row``; the placement of the row it replaced (whose file is now the
         caller's to remove), if any."""
+        return self.put_many([row])[0]
+
+    def put_many(self, rows: Sequence[BlockRow]) -> list[Placement | None]:
+        """``put`` for a batch, in ONE transaction (what a group commit needs)."""
+        replaced: list[Placement | None] = []
         with self.db.transaction() as db:
-            old = _select_old(db, row.key)
-            db.execute(_INSERT, astuple(row))
-            if old is not None:
-                _account(db, old[0], -1, -old[2])
-            _account(db, row.namespace, 1, row.nbytes)
-        return _placement(old[1:]) if old is not None else None
+            for row in rows:
+                old = _select_old(db, row.key)
+                db.execute(_INSERT, astuple(row))
+                if old is not None:
+                    _account(db, old[0], -1, -old[2])
+                _account(db, row.namespace, 1, row.nbytes)
+                replaced.append(_placement(old[1:]) if old is not None else None)
+        return replaced
 
     def delete(self, keys: Iterable[BlockKey], *, file_id: str | None = None) -> dict[BlockKey, Placement]:
         """Delete the rows of ``keys`` (with ``file_id``: only a row naming that file, not a

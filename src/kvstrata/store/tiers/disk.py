@@ -29,9 +29,13 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from kvstrata.codecs.base import EncodedBlock
 from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, TierUnavailableError
 from kvstrata.keys import BlockKey
@@ -39,53 +43,29 @@ from kvstrata.layout import KVLayout
 from kvstrata.store.block import KVBlock
 from kvstrata.store.index import BlockRow, Index
 from kvstrata.store.index.block_rows import Placement
-from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, decode_record, encode_record
-from kvstrata.store.processes import is_token
+from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, RecordHeader, decode_record, record_parts
 from kvstrata.store.tiers.base import TierLevel, TierUsage
+from kvstrata.store.tiers.disk_files import (
+    PendingFile,
+    block_path,
+    drop_page_cache,
+    file_id_of,
+    fsync_dir,
+    parse_file_name,
+    read_file,
+    remove_dead_temp_files,
+    write_files,
+)
+
+if TYPE_CHECKING:
+    from kvstrata.store.evictor import Evictor
+
+__all__ = ["DiskTier", "block_path", "parse_file_name"]
 
 log = logging.getLogger(__name__)
 
-_HAS_FADVISE = hasattr(os, "posix_fadvise")
-# A temp file whose writer is unknown (written before writers were named) is a leftover once it is
-# this old: no write takes that long.
-_STALE_TEMP_S = 3600.0
-
-
-def _drop_page_cache(fd: int) -> None:
-    if _HAS_FADVISE:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def block_path(root: Path, key: bytes, cold: bool, file_id: str) -> Path:
-    """``root/{hot,cold}/<first 2 hex>/<key hex>.<file id>.kvbin`` (no file id: before format 2)."""
-    name = key.hex()
-    file = f"{name}.{file_id}.kvbin" if file_id else f"{name}.kvbin"
-    return root / ("cold" if cold else "hot") / name[:2] / file
-
-
-def parse_file_name(name: str) -> tuple[BlockKey, str] | None:
-    """(key, file id) of a block file's name; None for a name that is not one."""
-    parts = name.split(".")
-    if parts[-1] != "kvbin" or len(parts) not in (2, 3):
-        return None
-    try:
-        key = bytes.fromhex(parts[0])
-    except ValueError:
-        return None
-    return (BlockKey(key), parts[1] if len(parts) == 3 else "") if len(key) == 32 else None
-
-
-def _file_id_of(path: Path) -> str | None:
-    parsed = parse_file_name(path.name)
-    return parsed[1] if parsed is not None else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_IO_THREADS = 8
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
 
 
 class DiskTier:
@@ -124,26 +104,11 @@ class DiskTier:
         self.corrupt_count = 0
         # key -> (cold, nbytes, codec, num_tokens) of the rows this process saw (the index decides)
         self._cache: dict[BlockKey, Placement] = {}
-        self.removed_temp_files = 0 if read_only else self._remove_temp_files(alive)
-
-    def _remove_temp_files(self, alive: Callable[[str], bool] | None) -> int:
-        """Drop temp files of writers that are gone: a write that never reached its rename was
-        never visible. Another live process's writes in progress are left alone."""
-        count = 0
-        now = time.time()
-        for entry in os.scandir(self.tmp_dir):
-            token = entry.name.split(".", 1)[0]
-            try:
-                if is_token(token):  # <writer token>.<key>.kvbin.<uuid>.tmp
-                    dead = alive is None or not alive(token)
-                else:  # written before writers were named
-                    dead = now - entry.stat().st_mtime > _STALE_TEMP_S
-                if dead:
-                    os.unlink(entry.path)
-                    count += 1
-            except FileNotFoundError:
-                continue  # its writer renamed or removed it meanwhile
-        return count
+        self._pool: ThreadPoolExecutor | None = None
+        self.evictor: Evictor | None = None
+        """Set by the placement: makes room (evicting) when a write would pass the budget or a
+        namespace's quota. Without one, such a write is refused."""
+        self.removed_temp_files = 0 if read_only else remove_dead_temp_files(self.tmp_dir, alive)
 
     def path_for(self, key: BlockKey, cold: bool = False, file_id: str = "") -> Path:
         return block_path(self.root, key, cold, file_id)
@@ -178,20 +143,17 @@ class DiskTier:
         placement = self._placement(key)
         return placement.cold if placement is not None else None
 
-    def _read(self, key: BlockKey) -> tuple[bytes, Path] | None:
-        """The file's bytes (where the index says it is, asked again if it moved); None when the
-        block is gone (another process removed it) or lost (indexed, file missing)."""
+    def _read(self, key: BlockKey, buffer: bytearray | None) -> tuple[memoryview, Path] | None:
+        """The file's bytes (read into ``buffer`` when it fits; where the index says the file is,
+        asked again if it moved); None when the block is gone (another process removed it) or
+        lost (indexed, file missing)."""
         placement = self._placement(key)
         for _ in range(3):
             if placement is None:
                 return None
             path = self.path_for(key, placement.cold, placement.file_id)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-                    if placement.cold:
-                        _drop_page_cache(f.fileno())
-                return data, path
+                return read_file(path, buffer, cold=placement.cold), path
             except FileNotFoundError:
                 self._cache.pop(key, None)
                 fresh = self.index.blocks.placement(key)
@@ -206,8 +168,14 @@ class DiskTier:
             log.warning("block %s is indexed but its file is missing; treating it as lost", key.hex()[:16])
         return None
 
-    def get(self, key: BlockKey) -> KVBlock | None:
-        found = self._read(key)
+    def read_verified(
+        self, key: BlockKey, buffer: bytearray | None = None
+    ) -> tuple[RecordHeader, EncodedBlock, memoryview] | None:
+        """``key``'s record, verified (length, CRC32C, key, layout; opened when sealed), read into
+        ``buffer`` when it is large enough: the payload then views the buffer, valid until the
+        buffer is used again. Also returns the bytes read (``.obj`` is the buffer used, to keep
+        for the next read). A corrupt file is quarantined and raises ``CorruptBlockError``."""
+        found = self._read(key, buffer)
         if found is None:
             return None
         data, path = found
@@ -224,16 +192,90 @@ class DiskTier:
                 self.quarantine(key, path)
             raise
         self.index.blocks.note_access(key, time.time())
+        return header, encoded, data
+
+    def get(self, key: BlockKey) -> KVBlock | None:
+        found = self.read_verified(key)  # a buffer of its own: the block keeps it
+        if found is None:
+            return None
+        header, encoded, _ = found
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
+    # -- writes ----------------------------------------------------------------------------------
     def put(self, block: KVBlock, *, replace: bool = False) -> bool:
         """Write ``block`` crash-safely; with ``replace`` an existing copy (another codec) is
-        atomically swapped for it in place (the rename replaces the old file)."""
-        previous = self._placement(block.key)
-        if previous is not None and not replace:
-            return True
+        swapped for it (a new file, then the index row, then the old file goes)."""
+        error = self.put_many([block], replace={block.key} if replace else set())[0]
+        if isinstance(error, _NoRoom):
+            return False
+        if error is not None:
+            raise error
+        return True
+
+    def put_many(
+        self, blocks: Sequence[KVBlock], *, replace: set[BlockKey] | None = None
+    ) -> list[Exception | None]:
+        """Write a batch crash-safely with as few waits as it allows (see ``disk_files``): all
+        files durable first, then ONE index transaction for all their rows. Blocks already stored
+        are skipped unless their key is in ``replace``. One result per block: None when stored,
+        else the error (``TierUnavailableError`` on a full or failing disk, or no room in the L3
+        budget that ``make_room`` could not free)."""
+        replace = replace or set()
+        results: list[Exception | None] = [None] * len(blocks)
+        writes = [
+            self._prepare(i, block, previous)
+            for i, block in enumerate(blocks)
+            if (previous := self._placement(block.key)) is None or block.key in replace
+        ]
+        if not writes:
+            return results
+        refused = self._refused(writes)
+        if refused:
+            for w in writes:
+                if (w.block.namespace or "") in refused:
+                    results[w.index] = _NoRoom(
+                        f"no room in L3 for namespace {w.block.namespace or '(unknown)'}: its quota or "
+                        f"the budget of {self.budget_bytes} bytes is full of blocks that may not be evicted"
+                    )
+            writes = [w for w in writes if (w.block.namespace or "") not in refused]
+        write_files([w.file for w in writes], self._io_pool())
+        now = time.time()
+        rows = []
+        for w in writes:
+            exc = w.file.error
+            if exc is not None:
+                failed = exc.errno in _DISK_FULL
+                message = f"L3 write failed: {os.strerror(exc.errno or 0)} ({w.file.final})"
+                results[w.index] = TierUnavailableError(message) if failed else exc
+                continue
+            block = w.block
+            rows.append(
+                BlockRow(
+                    block.key,
+                    w.cold,
+                    block.num_tokens,
+                    block.start_pos,
+                    w.codec,
+                    w.nbytes,
+                    now,
+                    now,
+                    0,
+                    block.namespace,
+                    w.file_id,
+                )
+            )
+        # Only now, with the files durable under their final names, does the index learn of them.
+        replaced = self.index.blocks.put_many(rows) if rows else []
+        for row, old in zip(rows, replaced, strict=True):
+            self._cache[row.key] = Placement(row.cold, row.nbytes, row.codec, row.num_tokens, row.file_id)
+            self.lost.discard(row.key)
+            if old is not None:  # its file is ours to remove now (ours, or another process's copy)
+                self.path_for(row.key, old.cold, old.file_id).unlink(missing_ok=True)
+        return results
+
+    def _prepare(self, index: int, block: KVBlock, previous: Placement | None) -> _Write:
         encoded = block.encode()
-        record = encode_record(
+        parts = record_parts(
             block.key,
             encoded,
             self.layout.fingerprint,
@@ -241,55 +283,35 @@ class DiskTier:
             keyring=self.keyring,
             namespace=block.namespace,
         )
-        growth = len(record) - (previous.nbytes if previous is not None else 0)
-        if self.budget_bytes is not None and self.index.blocks.usage()[1] + growth > self.budget_bytes:
-            return False
         cold = previous is not None and previous.cold
         file_id = self.writer_nonce + uuid.uuid4().hex[:8]
         final = self.path_for(block.key, cold, file_id)
         tmp = self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(record)
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-                os.fsync(fd)
-                _drop_page_cache(fd)
-            finally:
-                os.close(fd)
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
-                raise TierUnavailableError(
-                    f"L3 write failed: {os.strerror(exc.errno or 0)} ({final})"
-                ) from exc
-            raise
-        now = time.time()
-        row = BlockRow(
-            block.key,
-            cold,
-            block.num_tokens,
-            block.start_pos,
-            int(encoded.codec),
-            len(record),
-            now,
-            now,
-            0,
-            block.namespace,
-            file_id,
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        growth = nbytes - (previous.nbytes if previous is not None else 0)
+        return _Write(
+            index, block, PendingFile(tmp, final, parts), cold, file_id, nbytes, growth, int(encoded.codec)
         )
-        # Only now, with the file durable under its final name, does the index learn of it.
-        replaced = self.index.blocks.put(row)
-        self._cache[block.key] = Placement(cold, row.nbytes, row.codec, row.num_tokens, file_id)
-        if replaced is not None:  # its file is ours to remove now (ours, or another process's copy)
-            self.path_for(block.key, replaced.cold, replaced.file_id).unlink(missing_ok=True)
-        self.lost.discard(block.key)
-        return True
+
+    def _refused(self, writes: Sequence[_Write]) -> set[str]:
+        """The namespaces whose blocks in this batch do not fit (budget or quota), after the
+        evictor made what room it could."""
+        if self.evictor is not None:
+            growth: dict[str, int] = {}
+            for w in writes:
+                growth[w.block.namespace or ""] = growth.get(w.block.namespace or "", 0) + w.growth
+            return self.evictor.fit(growth, {w.block.key for w in writes})
+        if self.budget_bytes is None:
+            return set()
+        if self.index.blocks.usage()[1] + sum(w.growth for w in writes) <= self.budget_bytes:
+            return set()
+        return {w.block.namespace or "" for w in writes}
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvstrata-l3-io")
+            return self._pool
 
     def remove(self, key: BlockKey) -> bool:
         self._cache.pop(key, None)
@@ -309,7 +331,7 @@ class DiskTier:
     def quarantine(self, key: BlockKey, path: Path) -> None:
         self.corrupt_count += 1
         self._cache.pop(key, None)
-        self.index.blocks.delete([key], file_id=_file_id_of(path))
+        self.index.blocks.delete([key], file_id=file_id_of(path))
         target = self.quarantine_dir / f"{path.name}.{int(time.time())}"
         try:
             shutil.move(path, target)
@@ -330,11 +352,11 @@ class DiskTier:
         except FileNotFoundError:
             self._cache.pop(key, None)
             return False
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         if cold:
             fd = os.open(dst, os.O_RDONLY)
             try:
-                _drop_page_cache(fd)
+                drop_page_cache(fd)
             finally:
                 os.close(fd)
         if not self.index.blocks.set_cold(key, cold, placement.file_id):
@@ -382,3 +404,22 @@ class DiskTier:
 
     def close(self) -> None:
         self.index.blocks.flush_access()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+@dataclass(slots=True)
+class _Write:
+    index: int
+    block: KVBlock
+    file: PendingFile
+    cold: bool
+    file_id: str
+    nbytes: int
+    growth: int
+    codec: int
+
+
+class _NoRoom(TierUnavailableError):
+    """The L3 budget is full and nothing more could be evicted."""

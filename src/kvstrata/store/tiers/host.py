@@ -138,10 +138,21 @@ class HostTier:
         return int(entry.codec) if entry is not None else None
 
     def get(self, key: BlockKey) -> KVBlock | None:
+        """A copy of the block (safe to keep after the slot is freed)."""
+        block = self.view(key)
+        if block is None or block.encoded is None:
+            return block
+        payload = bytes(block.encoded.payload)
+        encoded = EncodedBlock(block.encoded.codec, block.encoded.params, payload, block.num_tokens)
+        return KVBlock(key, block.num_tokens, block.start_pos, None, encoded)
+
+    def view(self, key: BlockKey) -> KVBlock | None:
+        """The block with its payload viewing the arena (no copy): valid only while the caller
+        keeps the block from being removed (the store holds it: held blocks are never demoted)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
-        payload = self._arena[entry.offset : entry.offset + entry.payload_len].tobytes()
+        payload = memoryview(self._arena[entry.offset : entry.offset + entry.payload_len]).cast("B")
         encoded = EncodedBlock(entry.codec, entry.params, payload, entry.num_tokens)
         return KVBlock(key, entry.num_tokens, entry.start_pos, None, encoded)
 

@@ -1,0 +1,293 @@
+"""Restoring a chain of blocks into one buffer, many blocks in flight.
+
+A returning agent's KV is a chain of blocks spread over the tiers. ``Restorer.restore`` reads them
+straight into their slices of one destination buffer (the tensor the transformers cache adopts):
+
+- blocks in memory are copied from their tier without an intermediate copy (an L1 slot is a view
+  of the device pool; an L2 entry's payload is a view of the host arena, decoded into place);
+- blocks on disk are read on a thread pool, several files in flight, each into its thread's
+  reusable buffer, verified (CRC32C, key, layout) and decoded into place in the same thread (file
+  reads, CRC32C and numpy copies all release the GIL), then promoted as the placement wants;
+- blocks only Redis holds come through the remote mirror and are also kept on local disk.
+
+Every block is held while it is read (never demoted meanwhile), each source is counted as a hit or
+a miss of its tier, and a block that cannot be served (lost, corrupt, lossier than the caller's
+class accepts) ends the restore there: the caller recomputes from that token. For a CUDA
+destination, blocks from host tiers go through the pinned staging buffers of a
+:class:`~kvstrata.transfer.DeviceCopier` and asynchronous copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstrata import codecs
+from kvstrata.codecs import CodecId, EncodedBlock
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
+from kvstrata.keys import BlockKey
+from kvstrata.policy.ladder import LOSS_RANK
+from kvstrata.priority import Priority
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.base import TierLevel
+from kvstrata.transfer import DeviceCopier, copy_tensor
+
+if TYPE_CHECKING:
+    from kvstrata.store.placement import TieredStore
+
+log = logging.getLogger(__name__)
+
+_THREADS = 8
+"""Blocks in flight at once: enough to keep a disk's queue full, few enough for small machines."""
+
+
+class Restorer:
+    def __init__(self, tiered: TieredStore, threads: int = _THREADS) -> None:
+        self.tiered = tiered
+        self.layout = tiered.layout
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._local = threading.local()
+        self.stage_host_copies = False
+        """Decode host blocks through staging buffers even on the CPU (the GPU path's logic)."""
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvstrata-restore")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    # -- the chain -------------------------------------------------------------------------------
+    def restore(
+        self,
+        keys: Sequence[BlockKey],
+        buffer: torch.Tensor,
+        want: int,
+        *,
+        full: int,
+        priority: Priority | None,
+        max_loss: int | None,
+    ) -> tuple[int, dict[TierLevel, int]]:
+        """Fill ``buffer`` (``(2, L, H, >= blocks * block_tokens, D)``) with the first ``want``
+        tokens of ``keys``' blocks (the first ``full`` of them must be full blocks). Returns how
+        many tokens it holds, up to the first block no tier could serve, and the tokens each tier
+        served. The caller holds ``keys``."""
+        bt = self.layout.block_tokens
+        count = min(len(keys), -(-want // bt))
+        copier = DeviceCopier(buffer.device, staged=self.stage_host_copies)
+
+        inference = torch.is_inference_mode_enabled()  # thread-local: workers take the caller's
+
+        def one(i: int) -> tuple[int, TierLevel] | None:
+            with torch.inference_mode(inference):
+                return self.read_into(
+                    keys[i], buffer[:, :, :, i * bt : (i + 1) * bt], copier, priority, max_loss
+                )
+
+        if count > 1:
+            futures = [self._executor().submit(one, i) for i in range(count)]
+            results = [f.result() for f in futures]
+        else:
+            results = [one(0)] if count else []
+        copier.finish()
+        got = 0
+        by_tier: dict[TierLevel, int] = {}
+        for i, found in enumerate(results):
+            if found is None:
+                break
+            tokens, level = found
+            if i < full and tokens != bt:
+                break  # a partial block where a full one belongs: the chain ends here
+            take = min(tokens, want - got)
+            by_tier[level] = by_tier.get(level, 0) + take
+            got += take
+            if tokens < bt:
+                break  # the tail: nothing follows it
+        return got, by_tier
+
+    # -- one block -------------------------------------------------------------------------------
+    def lookup(
+        self, key: BlockKey, priority: Priority | None, max_loss: int | None, scheduled: bool
+    ) -> tuple[KVBlock, TierLevel] | None:
+        """``key`` from the highest tier holding an acceptable copy, as a block of its own (no
+        view of a tier's memory or of a read buffer), promoted per config; None on a miss."""
+        with self.tiered.lock:
+            source = self._memory_source(key, max_loss, views=False)
+        if source is not None:
+            block, level = source
+            return self._hit(key, block, level, priority, scheduled, block), level
+        block, level = self._below_memory(key, max_loss, None, None)
+        if block is None:
+            self._miss()
+            return None
+        return self._hit(key, block, level, priority, scheduled, block), level
+
+    def read_into(
+        self,
+        key: BlockKey,
+        room: torch.Tensor,
+        copier: DeviceCopier,
+        priority: Priority | None,
+        max_loss: int | None,
+    ) -> tuple[int, TierLevel] | None:
+        """Decode ``key`` into the first tokens of ``room`` (one block's worth of the buffer) from
+        the highest tier that holds an acceptable copy; (its tokens, the tier) or None."""
+        started = time.perf_counter()
+        with self.tiered.lock:
+            source = self._memory_source(key, max_loss, views=True)
+        if source is not None:
+            block, level = source
+            self._decode(block, room, copier)
+        else:
+            found, level = self._below_memory(key, max_loss, room, copier)
+            if found is None:
+                self._miss()
+                return None
+            block = found
+        self._hit(key, block, level, priority, True, self._resident(block, room))
+        self.tiered.counters.tiers[level].load_seconds += time.perf_counter() - started
+        return block.num_tokens, level
+
+    def _hit(
+        self,
+        key: BlockKey,
+        block: KVBlock,
+        level: TierLevel,
+        priority: Priority | None,
+        scheduled: bool,
+        resident: KVBlock,
+    ) -> KVBlock:
+        """Count and record a hit in ``level``, and promote (a copy of) ``resident`` as the
+        placement wants; the promoted block (or ``block``)."""
+        tiered = self.tiered
+        with tiered.lock:
+            tiered.counters.tiers[level].hits += 1
+            stats = tiered.stats.touch(key, block.num_tokens, priority, block.start_pos)
+            stats.namespace = stats.namespace or block.namespace
+            if level is TierLevel.L4:
+                tiered.counters.tiers[level].promotions += 1
+            top = tiered.memory_tiers[0].level if tiered.memory_tiers else None
+            if level is not top and tiered.may_promote(key, scheduled):
+                promoted = tiered.promote(resident, level)
+                return promoted if promoted is not resident else block
+        return block
+
+    def _miss(self) -> None:
+        tiered = self.tiered
+        with tiered.lock:
+            for tier in (*tiered.memory_tiers, tiered.disk):
+                tiered.counters.tiers[tier.level].misses += 1
+            if tiered.remote is not None:
+                tiered.counters.tiers[TierLevel.L4].misses += 1
+
+    def _memory_source(
+        self, key: BlockKey, max_loss: int | None, *, views: bool
+    ) -> tuple[KVBlock, TierLevel] | None:
+        """A copy in a memory tier or in the writer's queue (call with the lock held). With
+        ``views`` the host arena hands out a view of its memory (the caller holds the key)."""
+        tiered = self.tiered
+        for tier in tiered.memory_tiers:
+            view = getattr(tier, "view", None) if views else None
+            block = view(key) if view is not None else tier.get(key)
+            if block is not None and tiered.acceptable(block, max_loss):
+                return block, tier.level
+        pending = tiered.disk_writer.pending(key)
+        if pending is not None and tiered.acceptable(pending, max_loss):
+            return pending, tiered.disk.level  # still queued for L3: counted as a disk hit
+        return None
+
+    def _below_memory(
+        self, key: BlockKey, max_loss: int | None, room: torch.Tensor | None, copier: DeviceCopier | None
+    ) -> tuple[KVBlock | None, TierLevel]:
+        """The block from L3, else from L4 (kept on local disk too); decoded into ``room`` when
+        given (an L3 read then uses this thread's buffer, which the block views)."""
+        tiered = self.tiered
+        block = self._disk_read(key, max_loss, room is not None)
+        if block is not None:
+            if room is not None and copier is not None:
+                self._decode(block, room, copier)
+            return block, tiered.disk.level
+        if tiered.remote is None:
+            return None, tiered.disk.level
+        block = tiered.remote.get(key, max_loss)
+        if block is not None:
+            if room is not None and copier is not None:
+                self._decode(block, room, copier)
+            tiered.disk_writer.submit(block)  # keep a local, durable copy of what another engine wrote
+        return block, TierLevel.L4
+
+    def _disk_read(self, key: BlockKey, max_loss: int | None, buffered: bool) -> KVBlock | None:
+        tiered = self.tiered
+        on_disk = tiered.disk.codec_of(key)
+        if on_disk is None:
+            return None
+        if max_loss is not None and LOSS_RANK[CodecId(on_disk)] > max_loss:
+            tiered.counters.rejected_lossy += 1
+            return None
+        read = getattr(tiered.disk, "read_verified", None)
+        try:
+            if read is None:  # a tier without buffered reads (the in-memory fake)
+                return tiered.disk.get(key)
+            found = read(key, getattr(self._local, "buffer", None) if buffered else None)
+        except CorruptBlockError as exc:
+            tiered.counters.corrupt_blocks += 1
+            log.error("treating corrupt block as missing: %s", exc)
+            return None
+        except LayoutMismatchError as exc:
+            tiered.counters.corrupt_blocks += 1
+            log.error("treating foreign block as missing: %s", exc)
+            return None
+        except EncryptionKeyError as exc:
+            tiered.counters.unreadable_blocks += 1
+            log.error("treating encrypted block as missing: %s", exc)
+            return None
+        if found is None:
+            return None
+        header, encoded, data = found
+        if buffered:
+            self._local.buffer = data.obj  # this thread's buffer, grown if the file needed it
+        if max_loss is not None and LOSS_RANK[encoded.codec] > max_loss:
+            tiered.counters.rejected_lossy += 1
+            return None
+        return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
+
+    def _decode(self, block: KVBlock, room: torch.Tensor, copier: DeviceCopier) -> None:
+        dest = room[:, :, :, : block.num_tokens]
+        if block.tensor is not None:
+            copy_tensor(dest, block.tensor)
+        elif not copier.staged:
+            codecs.decode_into(_encoded(block), self.layout, dest)
+        else:
+            staged = copier.stage(tuple(dest.shape), dest.dtype)
+            codecs.decode_into(_encoded(block), self.layout, staged)
+            copier.commit(dest, staged)
+
+    def _resident(self, block: KVBlock, room: torch.Tensor) -> KVBlock:
+        """``block`` for promotion: its decoded tensor is its slice of the destination (memory
+        tiers copy what they keep), its encoded form kept when it lives on (not a read buffer)."""
+        tensor = room[:, :, :, : block.num_tokens]
+        encoded = block.encoded if block.tensor is None and _owned(block.encoded) else None
+        return KVBlock(block.key, block.num_tokens, block.start_pos, tensor, encoded, block.namespace)
+
+
+def _encoded(block: KVBlock) -> EncodedBlock:
+    assert block.encoded is not None
+    return block.encoded
+
+
+def _owned(encoded: EncodedBlock | None) -> bool:
+    """Whether the payload is its own bytes (not a view of a buffer that will be reused)."""
+    return encoded is not None and isinstance(encoded.payload, bytes | bytearray)
