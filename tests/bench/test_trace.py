@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench._agents_common import load_bench_model
+from kvstrata.bench.models import load_bench_model
 from kvstrata.bench.mooncake import TokenMap, TraceRequest, ideal_hits, load_trace, select
 from kvstrata.bench.trace import KVSTRATA, PLAIN_LRU, TraceParams, run, token_map_for
 from kvstrata.errors import ConfigError
@@ -28,7 +28,7 @@ TRACE = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_bench_model("tiny", tmp_path_factory.mktemp("tiny"))
+    return load_bench_model("tiny", workdir=tmp_path_factory.mktemp("tiny"))
 
 
 def write_trace(path: Path, requests: list[TraceRequest]) -> Path:
@@ -122,8 +122,8 @@ def test_cli_rejects_bad_input(tmp_path: Path) -> None:
     from kvstrata.cli.main import app
 
     result = CliRunner().invoke(app, ["bench", "trace", "--trace", str(tmp_path / "none.jsonl")])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "no trace file" in result.output
     result = CliRunner().invoke(app, ["bench", "trace", "--memory-fraction", "0"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "must be positive" in result.output

@@ -32,26 +32,26 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvstrata.bench._agents_common import (
-    TINY,
-    check_positive,
-    common_prefix,
-    fmt_ms,
-    forward_logits,
-    load_bench_model,
-    mib,
-    stop_ids,
-    tier_bytes,
-    workdir,
+from kvstrata.bench.command import (
+    JsonOutOption,
+    ModelOption,
+    PlotOption,
+    WorkdirOption,
+    one_line_errors,
+    progress_bar,
+    show,
 )
-from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
-from kvstrata.bench.report import BenchResult, BenchTable, percentile
+from kvstrata.bench.measure import check_positive, fmt_ms, mib, parse_int_list, percentile
+from kvstrata.bench.models import TinyShape, forward_logits, load_bench_model, stop_ids
+from kvstrata.bench.report import BenchResult, BenchTable
+from kvstrata.bench.stores import tier_bytes, workdir
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -87,8 +87,7 @@ class AgentsParams:
     max_new_tokens: int = 4
     p99_limit: float = 1.1
     model: str | None = None
-    tiny_layers: int = 2
-    tiny_hidden: int = 64
+    tiny: TinyShape = field(default_factory=TinyShape)
 
     def __post_init__(self) -> None:
         if not self.agents or any(n < 1 for n in self.agents):
@@ -418,9 +417,7 @@ def run(
     params = params or AgentsParams()
     with workdir(work, "kvstrata-bench-agents-") as root:
         if model is None:
-            model = load_bench_model(
-                params.model, root, tiny_layers=params.tiny_layers, tiny_hidden=params.tiny_hidden
-            )
+            model = load_bench_model(params.model, workdir=root, tiny=params.tiny)
         layout = model.layout()
         system_tokens = len(model.tokenizer(system_message(params.system_chars)["content"])["input_ids"])
         if system_tokens + params.max_new_tokens >= params.buffer_tokens:
@@ -601,16 +598,12 @@ def _result(
 
 
 # -- the command -------------------------------------------------------------------------------------
-def _parse_counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise typer.BadParameter(
-            f"expected comma-separated agent counts like 4,8,12,20, got {text!r}"
-        ) from None
-    if not counts or any(n < 1 for n in counts):
-        raise typer.BadParameter(f"agent counts must be positive integers, got {text!r}")
-    return counts
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def command(
@@ -626,22 +619,15 @@ def command(
     ] = 4000,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per reply.")] = 4,
     p99_limit: Annotated[float, typer.Option(help="Hot P99 limit, as a multiple of the unloaded P99.")] = 1.1,
-    model: Annotated[
-        str | None,
-        typer.Option(help=f"Model directory or .gguf; '{TINY}' for the tiny random Llama; default SmolLM2."),
-    ] = None,
-    workdir_: Annotated[
-        Path | None, typer.Option("--workdir", help="Keep the stores here (default: a removed temp dir).")
-    ] = None,
+    model: ModelOption = None,
+    workdir_: WorkdirOption = None,
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
 ) -> None:
     """Many agents in one memory budget: kvstrata against fixed per-agent buffers (simulated clock)."""
-    from kvstrata.cli.bench_cmd import show
-
-    try:
+    with one_line_errors():
         params = AgentsParams(
-            agents=_parse_counts(agents),
+            agents=tuple(parse_int_list(agents, "--agents")),
             baseline_agents=baseline_agents,
             duration_s=duration,
             budget_buffers=budget_buffers,
@@ -654,7 +640,4 @@ def command(
             model=model,
         )
         result = run(params, work=workdir_)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     show(result, json_out=json_out, plot=plot)
