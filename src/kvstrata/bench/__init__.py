@@ -11,7 +11,7 @@ which the command shows as rich tables or ``--json``, with a PNG plot. What the 
 - :mod:`.models` — the model (SmolLM2, or the tiny random Llama), prompts, prefill;
 - :mod:`.stores` — work directories, store configs, a session committed, a timed restore;
 - :mod:`.hardware` — the raw baselines (cold reads, memcpy, write+fsync) and the page cache;
-- :mod:`.clients` — a ``kvstrata serve`` process and HTTP load clients;
+- :mod:`.servers` — a private ``redis-server`` and ``kvstrata serve`` in child processes;
 - :mod:`.mooncake` — Mooncake's request traces as token ids.
 
 ``vllm_connector`` is not a ``kvstrata bench`` suite: it runs in vLLM's own virtual environment
@@ -29,6 +29,14 @@ SUITES: dict[str, str] = {
     "peers": "peers",
     "trace": "trace",
     "decode-overhead": "decode_overhead",
+    "gpu-restore": "gpu_restore",
+    "reopen": "reopen",
+    "prefetch": "prefetch",
+    "burst": "burst",
+    "hysteresis": "hysteresis",
+    "memory-modes": "memory_modes",
+    "redis": "redis_gets",
+    "server-load": "server_load",
 }
 """``kvstrata bench <name>`` -> its module in this package."""
 

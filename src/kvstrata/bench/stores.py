@@ -2,6 +2,7 @@
 ``StoreConfig``), so that a suite measures whatever the store does today.
 
 - :func:`workdir`: a suite's directory (a temp dir removed afterwards, or the user's, kept);
+- :func:`cold_copy`: a store copied, as a restarted process over a cold disk sees it;
 - :func:`bench_config`: a ``StoreConfig`` with fixed tier budgets and no idle demotion (a slow
   step between two measurements must not move the blocks);
 - :func:`commit_session`: one session's KV appended and checkpointed into a store (timed);
@@ -45,6 +46,16 @@ def workdir(path: Path | None, prefix: str) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def cold_copy(template: Path, root: Path) -> Path:
+    """A copy of the store ``template`` at ``root``, its data files dropped from the page cache:
+    a restarted process over a cold disk (memory tiers empty, L3 read from the device)."""
+    from kvstrata.bench.hardware import drop_store_page_cache
+
+    shutil.copytree(template, root)
+    drop_store_page_cache(root)
+    return root
 
 
 def room_for(nbytes: int) -> int:

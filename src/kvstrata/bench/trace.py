@@ -231,6 +231,7 @@ def replay(
     peak = dict.fromkeys(TIERS, 0)
     out: list[Replayed] = []
     failed: list[str] = []
+    kept: list[str] = []
     task = progress.add_task(policy, total=len(requests)) if progress is not None else None
     t0_ms = requests[0].timestamp_ms
     with KVStore(root, layout, model_fingerprint=model.fingerprint, config=config) as store:
@@ -251,7 +252,9 @@ def replay(
                     failed.append(f"request {i}: {exc}")
                     reply = None
                 engine.forget(session_id)
-                if i not in keep or reply is None:
+                if i in keep and reply is not None:
+                    kept.append(session_id)
+                else:
                     store.delete_session(session_id)
                 if reply is not None:
                     by_tier = {t: reply.cached_by_tier.get(t, 0) // bt for t in TIERS}
@@ -286,7 +289,9 @@ def replay(
             "l3_evictions": l3.evictions,
             "l3_budget_bytes": budgets.l3,
         }
-    sessions = check_sessions(root, layout, model.fingerprint, config, [f"req-{i}" for i in sorted(keep)])
+    sessions = check_sessions(root, layout, model.fingerprint, config, kept)
+    if keep:
+        sessions["conversations"] = len(keep)  # kept: those whose last request succeeded
     return PolicyRun(policy, out, wall, peak, final, by_codec, writes, sessions)
 
 
@@ -300,8 +305,6 @@ def check_sessions(
 
     readable = cut = 0
     errors: list[str] = []
-    if not session_ids:
-        return {}
     with KVStore(root, layout, model_fingerprint=fingerprint, config=config) as store:
         for session_id in session_ids:
             try:
