@@ -97,6 +97,12 @@ ContextsOption = Annotated[str, typer.Option("--contexts", help="Comma-separated
 ThreadsOption = Annotated[
     int | None, typer.Option("--threads", min=1, help="llama.cpp threads (default: all CPUs, like torch).")
 ]
+RecomputeOption = Annotated[
+    bool,
+    typer.Option(
+        "--recompute/--no-recompute", help="Also time llama.cpp's full recompute (the slowest step)."
+    ),
+]
 KvstrataOnlyOption = Annotated[
     bool, typer.Option("--kvstrata-only", help="Measure kvstrata's side alone (no llama-cpp-python).")
 ]
@@ -107,6 +113,7 @@ def command(
     contexts: ContextsOption = DEFAULT_CONTEXTS,
     repeats: RepeatsOption = 3,
     threads: ThreadsOption = None,
+    recompute: RecomputeOption = True,
     kvstrata_only: KvstrataOnlyOption = False,
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
@@ -115,7 +122,12 @@ def command(
     with one_line_errors():
         lengths = parse_int_list(contexts, "--contexts", minimum=2)
         result = run(
-            gguf=gguf, contexts=lengths, repeats=repeats, threads=threads, kvstrata_only=kvstrata_only
+            gguf=gguf,
+            contexts=lengths,
+            repeats=repeats,
+            threads=threads,
+            recompute=recompute,
+            kvstrata_only=kvstrata_only,
         )
     show(result, json_out=json_out, plot=plot)
 
@@ -127,6 +139,7 @@ def run(
     contexts: list[int] | None = None,
     repeats: int = 3,
     threads: int | None = None,
+    recompute: bool = True,
     kvstrata_only: bool = False,
     progress: bool = True,
 ) -> BenchResult:
@@ -149,7 +162,8 @@ def run(
         loaded = load_bench_model(model if model is not None else gguf_path, workdir=work)
         token_ids = prompt_token_ids(loaded, max(lengths) + 1)
         with frozen_heap(), progress_bar(progress) as bar:
-            variants = [*KVSTRATA_STORES, *([] if llama_cpp is None else LLAMA_VARIANTS)]
+            llama_variants = [v for v in LLAMA_VARIANTS if recompute or v != LLAMA_RECOMPUTE]
+            variants = [*KVSTRATA_STORES, *([] if llama_cpp is None else llama_variants)]
             task = bar.add_task("peers", total=len(lengths) * (2 + repeats * len(variants)))
             for n in lengths:
                 llama = None
@@ -172,7 +186,8 @@ def run(
         "contexts": per_context,
     }
     params = {"gguf": data["gguf"], "contexts": lengths, "repeats": repeats, "threads": n_threads}
-    params |= {"kvstrata_only": kvstrata_only, "model": str(model) if model is not None else None}
+    params |= {"recompute": recompute, "kvstrata_only": kvstrata_only}
+    params |= {"model": str(model) if model is not None else None}
     return BenchResult(SUITE, params, data, _tables(data), plot=lambda fig: _plot(fig, data))
 
 
