@@ -32,6 +32,7 @@ request's buffer, as the engine does; the cache then adopts that buffer).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import shutil
 import time
@@ -195,7 +196,7 @@ def run(
         for spec, part_lengths, is_tiny in parts:
             if not part_lengths:
                 continue
-            shape = TinyShape(**{**_shape_fields(tiny_shape), "max_positions": max(part_lengths) + 1})
+            shape = dataclasses.replace(tiny_shape, max_positions=max(part_lengths) + 1)
             loaded = load_bench_model(spec, workdir=root, attn=attn, tiny=shape if is_tiny else None)
             models["tiny" if is_tiny else "main"] = {
                 "name": loaded.name,
@@ -218,17 +219,13 @@ def run(
         "model": str(model) if model else None,
         "contexts": lengths,
         "tiny_contexts": tiny_lengths,
-        "tiny_shape": _shape_fields(tiny_shape),
+        "tiny_shape": dataclasses.asdict(tiny_shape),
         "repeats": repeats,
         "lossy": lossy,
         "recompute_repeats": recomputes,
         "attn": attn,
     }
     return BenchResult(SUITE, params, data, tables(data, lossy), plot=lambda fig: plot(fig, data, lossy))
-
-
-def _shape_fields(shape: TinyShape) -> dict[str, int]:
-    return {f: getattr(shape, f) for f in ("layers", "hidden", "heads", "kv_heads", "max_positions")}
 
 
 def _workdir(path: Path | None) -> Any:
