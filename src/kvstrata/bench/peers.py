@@ -10,7 +10,8 @@ For each context length N (N tokens of history, then one new token):
   ``llama_state_seq_load_file`` of the state file dropped from the page cache + the forward;
   and a full recompute (prefilling all N + 1 tokens).
 - kvstrata (the same GGUF converted to fp32 safetensors, transformers, fp32 KV): commit the
-  session (append + checkpoint, durable in L3) into a fresh store under the exact ladder, the
+  session (append + checkpoint, durable in L3) into a fresh store without memory tiers (the
+  blocks go straight to the L3 writer, each in its L3 codec) under the exact ladder, the
   default ladder's interactive class (int8 in L3) and its background class (KIVI-4 in L3): bytes
   on disk and time; then restore from a cold L3 (data files dropped from the page cache:
   ``store.load`` reads, verifies and decodes) + the new token's forward.
@@ -60,7 +61,7 @@ from kvstrata.bench.measure import (
 from kvstrata.bench.models import load_bench_model, prefill_kv, prompt_token_ids
 from kvstrata.bench.peers_llama import LlamaSide, require_llama_cpp
 from kvstrata.bench.report import BenchResult, BenchTable
-from kvstrata.bench.stores import Restorer, bench_config, commit_session, open_store, room_for, workdir
+from kvstrata.bench.stores import Restorer, bench_config, commit_session, open_store, workdir
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -241,8 +242,8 @@ def _measure_context(
                     stores.pop(variant).close()
                 path = root / directory
                 shutil.rmtree(path, ignore_errors=True)
-                config = bench_config(room_for(kv.numel() * kv.element_size()), ladder=ladder)
-                with open_store(loaded, path, config) as store:
+                # no memory tiers: the blocks go straight to L3 (the checkpoint is the save)
+                with open_store(loaded, path, bench_config(0, 0, ladder=ladder)) as store:
                     committed = commit_session(store, history, kv, priority=priority)
                 samples[variant]["save_s"].append(committed.checkpoint_s)
                 samples[variant]["flush_s"].append(committed.flush_s)
