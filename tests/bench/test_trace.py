@@ -158,6 +158,8 @@ def test_bounded_l3_reports_writes_and_checks_the_kept_sessions(tiny: LoadedMode
         assert sessions["readable"] + sessions["recompute"] == sessions["kept"], name
         assert sessions["errors"] == 0, sessions["first_error"]
         assert summary["requests"] + writes["failed_requests"] == len(TRACE)
+        # a failed request's blocks count as misses: the ratio stays over the whole slice
+        assert summary["blocks"] == sum(len(r.hash_ids) for r in TRACE)
 
 
 @pytest.mark.xfail(

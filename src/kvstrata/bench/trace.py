@@ -127,10 +127,13 @@ class PolicyRun:
     """Failed requests (and the first error), L3 evictions and write failures."""
     sessions: dict[str, Any] = field(default_factory=dict)
     """The kept sessions, reloaded after the replay: readable, cut (recomputed from a token), errors."""
+    failed_blocks: int = 0
+    """Trace blocks of the requests that failed: counted as misses (their reply, and what it reused,
+    was lost with the error)."""
 
     @property
     def blocks(self) -> int:
-        return sum(r.blocks for r in self.requests)
+        return sum(r.blocks for r in self.requests) + self.failed_blocks
 
     @property
     def hit_blocks(self) -> int:
@@ -231,6 +234,7 @@ def replay(
     peak = dict.fromkeys(TIERS, 0)
     out: list[Replayed] = []
     failed: list[str] = []
+    failed_blocks = 0
     kept: list[str] = []
     task = progress.add_task(policy, total=len(requests)) if progress is not None else None
     t0_ms = requests[0].timestamp_ms
@@ -250,6 +254,7 @@ def replay(
                     reply = engine.run(GenerationRequest(session_id, prompt_ids=ids, max_new_tokens=1))
                 except KVStrataError as exc:  # a checkpoint whose blocks L3 refused, for one
                     failed.append(f"request {i}: {exc}")
+                    failed_blocks += len(request.hash_ids)
                     reply = None
                 engine.forget(session_id)
                 if i in keep and reply is not None:
@@ -292,7 +297,7 @@ def replay(
     sessions = check_sessions(root, layout, model.fingerprint, config, kept)
     if keep:
         sessions["conversations"] = len(keep)  # kept: those whose last request succeeded
-    return PolicyRun(policy, out, wall, peak, final, by_codec, writes, sessions)
+    return PolicyRun(policy, out, wall, peak, final, by_codec, writes, sessions, failed_blocks)
 
 
 def check_sessions(

@@ -174,6 +174,7 @@ def _bounded_table(info: dict[str, Any], runs: list[PolicyRun]) -> BenchTable:
                 table.notes.append(f"{r.policy}, {key.replace('_', ' ')}: {message}")
     table.notes.append(
         "Target: zero failed requests and write failures (L3 evicts instead of refusing), every kept "
-        "session readable or recomputed from a token, zero errors."
+        "session readable or recomputed from a token, zero errors. A failed request's blocks count "
+        "as misses in the hit ratios above."
     )
     return table
