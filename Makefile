@@ -10,7 +10,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvstrata-installed
 
-.PHONY: demo test lint redis bench-recovery clean
+.PHONY: demo test lint redis bench-reopen clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,16 +30,16 @@ redis:
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server redis-tools; }
 
 test: $(STAMP) redis
-	$(PY) -m ruff check src tests tests_vllm benchmarks
+	$(PY) -m ruff check src tests tests_vllm
 	$(PY) -m pytest
 	$(MAKE) test-vllm
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests tests_vllm benchmarks
-	$(PY) -m ruff format --check src tests tests_vllm benchmarks
+	$(PY) -m ruff check src tests tests_vllm
+	$(PY) -m ruff format --check src tests tests_vllm
 
-bench-recovery: $(STAMP)
-	$(PY) benchmarks/recovery.py
+bench-reopen: $(STAMP)
+	$(VENV)/bin/kvstrata bench reopen
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -270,10 +270,10 @@ def test_store_demo_is_found_under_its_store_option(tmp_path: Path) -> None:
 
 
 def test_the_progress_bar_is_one_helper_and_stays_off_the_pipe() -> None:
-    from kvstrata.bench import options
+    from kvstrata.bench import command
     from kvstrata.cli import eval_cmd, progress
 
-    assert options.progress_bar is progress.progress_bar
+    assert command.progress_bar is progress.progress_bar
     assert eval_cmd.progress_bar is progress.progress_bar
     # under pytest stderr is captured, not a terminal: the bar draws nothing, even when asked to
     assert progress_bar(True).disable and not progress.show_progress(False)

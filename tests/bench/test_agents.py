@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench._agents_common import load_bench_model
 from kvstrata.bench.agents import (
     BACKGROUND,
     HOT,
@@ -21,14 +20,15 @@ from kvstrata.bench.agents import (
     system_message,
     user_message,
 )
-from kvstrata.bench.options import progress_bar
+from kvstrata.bench.command import progress_bar
+from kvstrata.bench.models import load_bench_model
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_bench_model("tiny", tmp_path_factory.mktemp("tiny"))
+    return load_bench_model("tiny", workdir=tmp_path_factory.mktemp("tiny"))
 
 
 def test_schedule_rates_and_mix() -> None:
@@ -117,5 +117,5 @@ def test_cli_rejects_bad_counts() -> None:
     from kvstrata.cli.main import app
 
     result = CliRunner().invoke(app, ["bench", "agents", "--agents", "4,x"])
-    assert result.exit_code == 2
-    assert "agent counts" in result.output
+    assert result.exit_code == 1
+    assert "--agents: 'x' is not an integer" in result.output

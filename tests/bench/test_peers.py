@@ -1,9 +1,10 @@
-"""``kvstrata bench peers`` without llama-cpp-python installed: a clear message, before any
-model is loaded."""
+"""``kvstrata bench peers``: without llama-cpp-python installed, a clear message before any model is
+loaded; kvstrata's side of the suite alone, on the tiny model."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -31,3 +32,37 @@ def test_cli_rejects_bad_contexts() -> None:
     result = CliRunner().invoke(app, ["bench", "peers", "--contexts", "x"])
     assert result.exit_code == 1
     assert "not an integer" in result.output
+
+
+def test_kvstrata_side_on_the_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the kvstrata side needs no llama.cpp
+    monkeypatch.setenv("KVSTRATA_MODEL_CACHE", str(tmp_path / "model-cache"))
+    result = peers.run(model="tiny", contexts=[64, 130], repeats=2, kvstrata_only=True, progress=False)
+    assert list(result.data["contexts"]) == ["64", "130"]
+    for ctx in result.data["contexts"].values():
+        v = ctx["variants"]
+        assert set(v) == {peers.KV_EXACT, peers.KV_INT8, peers.KV_KIVI4}
+        assert "goals" not in ctx  # nothing to compare with
+        for entry in v.values():
+            assert len(entry["save_s"]) == len(entry["restore_s"]) == len(entry["forward_s"]) == 2
+            # two samples: each median is a mean, so TTFT's is restore's + forward's
+            assert entry["median_ttft_s"] == pytest.approx(
+                entry["median_restore_s"] + entry["median_forward_s"]
+            )
+            assert entry["restore_read_gbps"] > 0 and entry["bytes"] > 0
+        # the exact ladder stores fp32 KV; the lossy ladders' older blocks are smaller (the block
+        # in the recent window stays exact, so at 64 tokens nothing is older)
+        assert v[peers.KV_EXACT]["bytes"] >= ctx["kv_bytes_fp32"]
+        # every variant resumes to the same first token on this model
+        assert len({entry["first_token"] for entry in v.values()}) == 1
+    longer = result.data["contexts"]["130"]["variants"]
+    assert longer[peers.KV_INT8]["bytes"] < longer[peers.KV_EXACT]["bytes"]
+    assert longer[peers.KV_KIVI4]["bytes"] < longer[peers.KV_INT8]["bytes"]
+    (table,) = result.tables
+    assert len(table.rows) == 6
+
+
+def test_a_model_of_its_own_is_for_kvstrata_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ConfigError, match="a model of kvstrata's own"):
+        peers.run(model="tiny", contexts=[64], kvstrata_only=False)

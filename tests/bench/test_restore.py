@@ -1,5 +1,6 @@
-"""``kvstrata bench restore`` on the tiny random Llama: every path restores the exact KV, the
-tables have a row per context, JSON parses, the PNG is written."""
+"""``kvstrata bench restore`` on tiny random Llamas: every path restores the exact KV from the tier
+it claims, the hardware baselines and the checkpoint are measured, the ratios are kvstrata's GB/s
+over the baselines', the tables have their rows, JSON parses, the PNG is written."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstrata.bench import restore
+from kvstrata.bench.models import TinyShape
 from kvstrata.cli.main import app
 from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama
+
+SMALL_LONG = TinyShape(layers=2, hidden=64, heads=2, kv_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +27,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield save_tiny_llama(root / "tiny")
 
 
-def test_run_restores_exact_kv_from_every_tier(tiny_model: Path, tmp_path: Path) -> None:
-    result = restore.run(model=tiny_model, contexts=[64, 100], repeats=1, lossy=True, progress=False)
-    assert set(result.data["contexts"]) == {"64", "100"}
+def test_run_measures_every_path_and_baseline(tiny_model: Path, tmp_path: Path) -> None:
+    result = restore.run(
+        model=tiny_model,
+        contexts=[64, 100],
+        tiny_contexts=[300],
+        tiny_shape=SMALL_LONG,
+        repeats=1,
+        lossy=True,
+        workdir=tmp_path / "work",
+        progress=False,
+    )
+    assert list(result.data["contexts"]) == ["64", "100", "300 (tiny)"]
     for key, ctx in result.data["contexts"].items():
-        n = int(key)
+        n = int(key.split()[0])
         v = ctx["variants"]
         for path, level in ((restore.L1, "L1"), (restore.L2, "L2"), (restore.L3, "L3")):
             assert v[path]["served_by"] == {level: n}, path  # served by the tier it claims
@@ -36,30 +49,57 @@ def test_run_restores_exact_kv_from_every_tier(tiny_model: Path, tmp_path: Path)
             # the restored cache gives the recompute's logits (up to float reassociation)
             assert v[path]["max_abs_logit_diff_vs_recompute"] < 1e-4
         assert v[restore.L3_LOSSY]["served_by"] == {"L3": n}
-        assert ctx["kv_bytes"] == n * 2 * 2 * 2 * 16 * 4  # 2 layers, 2 KV heads, head dim 16, fp32
         assert ctx["disk_bytes"][restore.L3] >= ctx["kv_bytes"]
-        for name in (restore.L1, restore.L2, restore.L3, restore.MEMCPY, restore.COLD_READ):
-            assert v[name]["restore_gbps"] > 0
+        for name in (
+            restore.MEMCPY,
+            restore.SEQ_READ,
+            restore.PAR_READ,
+            restore.WRITE_FSYNC,
+            restore.CHECKPOINT,
+        ):
+            assert v[name]["gbps"] > 0, name
+        # the parallel read reads the exact store's own files: their bytes, not the KV's
+        assert v[restore.PAR_READ]["bytes"] == ctx["disk_bytes"][restore.L3]
+        assert v[restore.SEQ_READ]["bytes"] == ctx["kv_bytes"]
         assert v[restore.RECOMPUTE]["median_ttft_s"] > 0
-        assert set(ctx["ratios"]) >= {"l2_vs_memcpy", "l3_cold_vs_cold_read"}
-    ttft, throughput = result.tables
-    assert [row[0] for row in ttft.rows] == ["64", "100"]
-    assert [row[0] for row in throughput.rows] == ["64", "100"]
+        best = max(v[restore.SEQ_READ]["gbps"], v[restore.PAR_READ]["gbps"])
+        assert ctx["ratios"]["l3_cold"] == pytest.approx(v[restore.L3]["load_gbps"] / best)
+        assert ctx["ratios"]["l2"] == pytest.approx(v[restore.L2]["load_gbps"] / v[restore.MEMCPY]["gbps"])
+        assert ctx["ratios"]["l1"] == pytest.approx(v[restore.L1]["load_gbps"] / v[restore.MEMCPY]["gbps"])
+        assert ctx["ratios"]["checkpoint"] == pytest.approx(
+            v[restore.CHECKPOINT]["gbps"] / v[restore.WRITE_FSYNC]["gbps"]
+        )
+        assert set(ctx["met"]) == set(restore.TARGETS)
+    layout = result.data["models"]["tiny"]["layout"]
+    assert (layout["num_layers"], layout["num_kv_heads"], layout["head_dim"]) == (2, 2, 32)
+    assert result.data["contexts"]["64"]["kv_bytes"] == 64 * 2 * 2 * 2 * 16 * 4  # 2 layers, 2 heads, dim 16
+    assert result.data["contexts"]["300 (tiny)"]["kv_bytes"] == 300 * 2 * 2 * 2 * 32 * 4
+    ttft, hardware = result.tables
+    assert [row[0] for row in ttft.rows] == ["64", "100", "300 (tiny)"]
     assert all(row[-2:] == ["yes", "yes"] for row in ttft.rows)
-    assert any("70%" in note for note in throughput.notes)
+    assert len(hardware.rows) == 3 * 4  # L3, L2, L1, checkpoint per context
+    assert [row[2] for row in hardware.rows[:4]] == [
+        "L3 cold restore",
+        "L2 restore",
+        "L1 restore",
+        "checkpoint",
+    ]
+    assert [row[7] for row in hardware.rows[:4]] == ["0.9x", "0.7x", "0.8x", "0.7x"]
     png = result.save_plot(tmp_path / "restore.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "work" / "ctx-64").exists()  # each context's stores are removed
 
 
 def test_cli_json_and_plot(tiny_model: Path, tmp_path: Path) -> None:
     plot = tmp_path / "out" / "bench-restore.png"
-    args = ["bench", "restore", "--model", str(tiny_model), "--contexts", "64", "--repeats", "1"]
-    args += ["--no-lossy", "--recompute-repeats", "0", "--json", "--plot", str(plot)]
+    args = ["bench", "restore", "--model", str(tiny_model), "--contexts", "64", "--tiny-contexts", ""]
+    args += ["--repeats", "1", "--no-lossy", "--recompute-repeats", "0", "--json", "--plot", str(plot)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["suite"] == "restore"
-    assert payload["params"]["contexts"] == [64]
+    assert payload["params"]["contexts"] == [64] and payload["params"]["tiny_contexts"] == []
+    assert payload["data"]["targets"] == {"l3_cold": 0.9, "l2": 0.7, "l1": 0.8, "checkpoint": 0.7}
     variants = payload["data"]["contexts"]["64"]["variants"]
     assert restore.L3_LOSSY not in variants
     # without a separate recompute, the build prefill stands in for it (one sample)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench._agents_common import load_bench_model
+from kvstrata.bench.models import load_bench_model
 from kvstrata.bench.mooncake import TokenMap, TraceRequest, ideal_hits, load_trace, select
 from kvstrata.bench.trace import KVSTRATA, PLAIN_LRU, TraceParams, run, token_map_for
 from kvstrata.errors import ConfigError
@@ -28,7 +28,7 @@ TRACE = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_bench_model("tiny", tmp_path_factory.mktemp("tiny"))
+    return load_bench_model("tiny", workdir=tmp_path_factory.mktemp("tiny"))
 
 
 def write_trace(path: Path, requests: list[TraceRequest]) -> Path:
@@ -122,8 +122,59 @@ def test_cli_rejects_bad_input(tmp_path: Path) -> None:
     from kvstrata.cli.main import app
 
     result = CliRunner().invoke(app, ["bench", "trace", "--trace", str(tmp_path / "none.jsonl")])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "no trace file" in result.output
     result = CliRunner().invoke(app, ["bench", "trace", "--memory-fraction", "0"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "must be positive" in result.output
+
+
+def bounded_replay(tiny: LoadedModel, tmp_path: Path) -> dict[str, dict[str, object]]:
+    params = TraceParams(block_tokens=BT, memory_fraction=0.3, time_scale=1000.0, l3_budget=0.5, model="tiny")
+    result = run(params, model=tiny, requests=TRACE, work=tmp_path, show_progress=False)
+    unique = result.data["slice"]["unique_kv_bytes"]
+    assert result.data["slice"]["l3_budget_bytes"] == int(unique * 0.5)
+    assert len(result.tables) == 3  # the bounded L3's table
+    return {p["policy"]: p for p in result.data["policies"]}
+
+
+def test_bounded_l3_reports_writes_and_checks_the_kept_sessions(tiny: LoadedModel, tmp_path: Path) -> None:
+    for name, summary in bounded_replay(tiny, tmp_path).items():
+        writes, sessions = summary["writes"], summary["sessions"]
+        assert set(writes) >= {"failed_requests", "write_failures", "l3_evictions", "l3_budget_bytes"}
+        # two conversations (second block ids 1 and 3): the last turn of each is kept, unless it failed
+        assert sessions["conversations"] == 2
+        assert (
+            sessions["kept"]
+            == 2
+            - sum(
+                1
+                for failure in [writes["first_failure"]]
+                if failure and failure.startswith(("request 3", "request 4"))
+            )
+            or writes["failed_requests"] > 0
+        )
+        # every kept session loads whole or cut at a missing block: never an error
+        assert sessions["readable"] + sessions["recompute"] == sessions["kept"], name
+        assert sessions["errors"] == 0, sessions["first_error"]
+        assert summary["requests"] + writes["failed_requests"] == len(TRACE)
+        # a failed request's blocks count as misses: the ratio stays over the whole slice
+        assert summary["blocks"] == sum(len(r.hash_ids) for r in TRACE)
+
+
+# Many short conversations over one shared first block: half the slice's unique KV holds any one
+# of them, but not all, so the bounded L3 must evict to keep going (the slice above is too small:
+# its longest request alone is larger than half its unique KV).
+TRACE_MANY = [TraceRequest(100 * i, 800, 10, (0, i)) for i in range(1, 9)]
+
+
+def test_bounded_l3_evicts_and_never_fails_a_write(tiny: LoadedModel, tmp_path: Path) -> None:
+    params = TraceParams(block_tokens=BT, memory_fraction=0.3, time_scale=1000.0, l3_budget=0.5, model="tiny")
+    result = run(params, model=tiny, requests=TRACE_MANY, work=tmp_path, show_progress=False)
+    for summary in result.data["policies"]:
+        name, writes, sessions = summary["policy"], summary["writes"], summary["sessions"]
+        assert writes["failed_requests"] == 0, (name, writes["first_failure"])
+        assert writes["write_failures"] == 0, name
+        assert writes["l3_evictions"] > 0, name  # the budget was reached and room made
+        assert sessions["readable"] + sessions["recompute"] == sessions["kept"], name
+        assert sessions["errors"] == 0, sessions["first_error"]

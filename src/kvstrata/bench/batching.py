@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvstrata.bench._restore_common import fmt_ms, frozen_heap, parse_int_list, prompt_token_ids, rotate
-from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
-from kvstrata.bench.report import BenchResult, BenchTable, percentile
+from kvstrata.bench.command import JsonOutOption, PlotOption, progress_bar
+from kvstrata.bench.measure import fmt_ms, frozen_heap, parse_int_list, percentile, rotate
+from kvstrata.bench.models import prompt_token_ids
+from kvstrata.bench.report import BenchResult, BenchTable
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def command(
     plot: PlotOption = None,
 ) -> None:
     """Continuous batching: aggregate decode tokens/s of N sessions in one batch against serial decoding."""
-    from kvstrata.cli.bench_cmd import show
+    from kvstrata.bench.command import show
     from kvstrata.cli.common import fail
     from kvstrata.errors import KVStrataError
 
@@ -200,7 +201,7 @@ def run(
 
 
 def _prefill(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
-    from kvstrata.bench._restore_common import prefill_kv
+    from kvstrata.bench.models import prefill_kv
 
     return prefill_kv(loaded, token_ids)[0]
 

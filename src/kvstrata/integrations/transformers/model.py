@@ -329,12 +329,21 @@ def save_tiny_llama(
     hidden: int = 64,
     heads: int = 4,
     kv_heads: int = 2,
+    max_positions: int = 4096,
 ) -> Path:
     """Save :func:`tiny_llama` with :func:`tiny_tokenizer` as a model directory for :func:`load_model`."""
     path = Path(directory).expanduser()
     path.mkdir(parents=True, exist_ok=True)
-    model = tiny_llama(seed, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads)
-    model.save_pretrained(path)
+    model = tiny_llama(
+        seed,
+        num_layers=num_layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_positions=max_positions,
+    )
+    with _transformers_progress(False):  # no "Writing model shards" bar for a tiny model
+        model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
