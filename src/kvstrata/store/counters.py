@@ -6,8 +6,10 @@ when the process closes the store, so ``kvstrata store stats`` shows figures ove
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError, KVStrataError, LayoutMismatchError
 from kvstrata.store.tiers.base import TierLevel
 
 
@@ -36,3 +38,18 @@ class StoreCounters:
     reencoded: int = 0
     dropped_dirty: int = 0
     write_failures: int = 0
+
+    def unreadable(self, exc: KVStrataError, where: str, log: logging.Logger) -> None:
+        """A block read from ``where`` failed verification: counted, logged, treated as missing
+        (the caller recomputes it), never decoded."""
+        if isinstance(exc, EncryptionKeyError):
+            self.unreadable_blocks += 1
+            log.error("treating encrypted %s block as missing: %s", where, exc)
+        else:
+            self.corrupt_blocks += 1
+            kind = "foreign" if isinstance(exc, LayoutMismatchError) else "corrupt"
+            log.error("treating %s %s block as missing: %s", kind, where, exc)
+
+
+VERIFY_ERRORS = (CorruptBlockError, LayoutMismatchError, EncryptionKeyError)
+"""What reading a block may raise when its bytes (or the key to open them) are not right."""

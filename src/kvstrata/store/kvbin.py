@@ -26,6 +26,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
@@ -75,28 +76,10 @@ def _aad(key: bytes, layout_fingerprint: bytes, codec: int, num_tokens: int, sta
     return key + layout_fingerprint + struct.pack("<BII", codec, num_tokens, start_pos)
 
 
-def encode_record(
-    key: BlockKey,
-    block: EncodedBlock,
-    layout_fingerprint: bytes,
-    *,
-    start_pos: int = 0,
-    created_ns: int | None = None,
-    keyring: Keyring | None = None,
-    namespace: str | None = None,
-) -> bytes:
-    """The record bytes; sealed with ``namespace``'s key when a ``keyring`` is given."""
-    return b"".join(
-        record_parts(
-            key,
-            block,
-            layout_fingerprint,
-            start_pos=start_pos,
-            created_ns=created_ns,
-            keyring=keyring,
-            namespace=namespace,
-        )
-    )
+def encode_record(key: BlockKey, block: EncodedBlock, layout_fingerprint: bytes, **options: Any) -> bytes:
+    """The record bytes (``record_parts`` joined); sealed with ``namespace``'s key when a
+    ``keyring`` is given."""
+    return b"".join(record_parts(key, block, layout_fingerprint, **options))
 
 
 def record_parts(

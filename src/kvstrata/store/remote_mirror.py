@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError, TierUnavailableError
+from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.store.block import KVBlock
-from kvstrata.store.counters import StoreCounters
+from kvstrata.store.counters import VERIFY_ERRORS, StoreCounters
 from kvstrata.store.tiers.remote import RedisTier
 from kvstrata.store.writer import BackgroundWriter
 
@@ -83,13 +83,8 @@ class RemoteMirror:
             self.counters.remote_errors += 1
             log.debug("remote tier skipped: %s", exc)
             return None
-        except (CorruptBlockError, LayoutMismatchError) as exc:
-            self.counters.corrupt_blocks += 1
-            log.error("treating corrupt remote block as missing: %s", exc)
-            return None
-        except EncryptionKeyError as exc:
-            self.counters.unreadable_blocks += 1
-            log.error("treating encrypted remote block as missing: %s", exc)
+        except VERIFY_ERRORS as exc:
+            self.counters.unreadable(exc, "remote", log)
             return None
         if (
             block is not None

@@ -30,11 +30,11 @@ import torch
 
 from kvstrata import codecs
 from kvstrata.codecs import CodecId, EncodedBlock
-from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
+from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.transfer import DeviceCopier, copy_tensor
 
@@ -242,17 +242,8 @@ class Restorer:
             if read is None:  # a tier without buffered reads (the in-memory fake)
                 return tiered.disk.get(key)
             found = read(key, getattr(self._local, "buffer", None) if buffered else None)
-        except CorruptBlockError as exc:
-            tiered.counters.corrupt_blocks += 1
-            log.error("treating corrupt block as missing: %s", exc)
-            return None
-        except LayoutMismatchError as exc:
-            tiered.counters.corrupt_blocks += 1
-            log.error("treating foreign block as missing: %s", exc)
-            return None
-        except EncryptionKeyError as exc:
-            tiered.counters.unreadable_blocks += 1
-            log.error("treating encrypted block as missing: %s", exc)
+        except VERIFY_ERRORS as exc:
+            tiered.counters.unreadable(exc, "L3", log)
             return None
         if found is None:
             return None
