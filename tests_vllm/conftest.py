@@ -108,12 +108,13 @@ def fingerprint(model: Path) -> bytes:
     return fingerprint_model_dir(model)
 
 
-def block_keys(model: Path, tokens: list[int], namespace: str = "default") -> list[bytes]:
-    """The connector's (base) keys of the full blocks of ``tokens``."""
+def block_keys(model: Path, tokens: list[int], namespace: str = "default", kv_heads: int = 2) -> list[bytes]:
+    """The connector's (base) keys of the full blocks of ``tokens``; ``kv_heads``: per rank (the
+    layout is part of every key)."""
     from kvstrata.keys import chain_keys, root_key
     from kvstrata.layout import KVLayout
 
-    layout = KVLayout(**LAYOUT_ARGS)  # type: ignore[arg-type]
+    layout = KVLayout(**{**LAYOUT_ARGS, "num_kv_heads": kv_heads})  # type: ignore[arg-type]
     return chain_keys(root_key(fingerprint(model), layout, namespace), tokens, BLOCK)
 
 

@@ -19,6 +19,7 @@ Every worker (one per tensor-parallel rank) opens the store itself and moves onl
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterable
@@ -38,6 +39,25 @@ from kvstrata.store.block import KVBlock
 log = logging.getLogger(__name__)
 
 
+BACKGROUND_NICE = 10
+"""The CPU priority (Linux nice value) of kvstrata's background threads in a worker: saving
+blocks, and the store's writers, yield the cores to the forward pass (on a CPU server they would
+otherwise slow the prefill that produced the blocks)."""
+
+
+def lower_priority(thread: threading.Thread) -> bool:
+    """Run ``thread`` at ``BACKGROUND_NICE`` (Linux sets the priority of one thread by its id)."""
+    native_id = getattr(thread, "native_id", None)
+    if native_id is None:
+        return False
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, native_id)
+        os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
+    except (AttributeError, OSError):  # another OS, or the thread is gone
+        return False
+    return True
+
+
 def _layer_index(name: str, fallback: int) -> int:
     try:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -55,17 +75,34 @@ class BlockSaver:
         self.rank = rank
         self.tp_size = tp_size
         self.failed = failed
+        self.max_queued_bytes = store.config.writer_queue_bytes
+        """Page copies waiting beyond this are dropped, not queued: memory stays bounded when
+        saving falls behind (a dropped block is a later miss)."""
         self._queue: queue.Queue[tuple[SaveSpec, list[torch.Tensor], PageFormat] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending: set[bytes] = set()
+        self._queued_bytes = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstrata-vllm-saver", daemon=True)
         self._thread.start()
+        lower_priority(self._thread)
 
-    def submit(self, spec: SaveSpec, pages: list[torch.Tensor], fmt: PageFormat) -> None:
+    def submit(self, spec: SaveSpec, pages: list[torch.Tensor], fmt: PageFormat) -> bool:
+        """Queue a save; False (dropped, its keys reported as failed) when the queue is full."""
+        size = sum(p.numel() * p.element_size() for p in pages)
         with self._lock:
-            self._pending.update(spec.keys)
+            if self._queued_bytes and self._queued_bytes + size > self.max_queued_bytes:
+                dropped = True
+            else:
+                dropped = False
+                self._queued_bytes += size
+                self._pending.update(spec.keys)
+        if dropped:
+            self.failed.add(spec.keys)
+            EVENTS.emit("save_skipped", blocks=len(spec.keys), req_id=spec.req_id, rank=self.rank)
+            return False
         self._queue.put((spec, pages, fmt))
+        return True
 
     def flush(self, keys: Iterable[bytes] | None = None) -> None:
         """Wait until queued saves are in the store; with ``keys`` (base keys), only if one of them
@@ -100,6 +137,7 @@ class BlockSaver:
                 finally:
                     with self._lock:
                         self._pending.difference_update(item[0].keys)
+                        self._queued_bytes -= sum(p.numel() * p.element_size() for p in item[1])
             finally:
                 self._queue.task_done()
 
@@ -146,8 +184,8 @@ class BlockLoader:
         self._lock = threading.Lock()
         self._done: list[tuple[str, list[int]]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvstrata-vllm-loader", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="kvstrata-vllm-loader", daemon=True)
+        self.thread.start()
 
     def submit(self, spec: LoadSpec) -> None:
         self._queue.put(spec)
@@ -162,7 +200,7 @@ class BlockLoader:
         if self._closed:
             return
         self._queue.put(None)
-        self._thread.join()
+        self.thread.join()
         self._closed = True
 
     def _run(self) -> None:
@@ -193,6 +231,22 @@ class WorkerSide:
         self._failed_pages: set[int] = set()
         self._failed_lock = threading.Lock()
         self._unsaved_requests: set[str] = set()
+        self._lowered: set[int] = set()
+        self._lower_store_threads()
+
+    def _lower_store_threads(self) -> None:
+        """The store's background threads in this process (its L3 and L4 writers, demoter,
+        re-encoder) run at ``BACKGROUND_NICE`` too; the loader does not (a request waits on it)."""
+        for thread in threading.enumerate():
+            ident = thread.native_id
+            if (
+                ident is not None
+                and ident not in self._lowered
+                and thread.name.startswith("kvstrata-")
+                and thread is not self.loader.thread
+                and lower_priority(thread)
+            ):
+                self._lowered.add(ident)
 
     def close(self) -> None:
         self.loader.close()
@@ -335,6 +389,7 @@ class WorkerSide:
         if not meta.saves:
             return
         fmt = self.page_format()
+        self._lower_store_threads()  # a writer the store started since (L4's, lazily)
         for i, spec in enumerate(meta.saves):
             layer_pages = copies.get(i)
             if spec.req_id in unsaved or layer_pages is None or any(p is None for p in layer_pages):
