@@ -18,6 +18,7 @@ Every worker (one per tensor-parallel rank) opens the store itself and moves onl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -45,8 +46,10 @@ blocks, and the store's writers, yield the cores to the forward pass (on a CPU s
 otherwise slow the prefill that produced the blocks)."""
 
 
-def lower_priority(thread: threading.Thread) -> bool:
-    """Run ``thread`` at ``BACKGROUND_NICE`` (Linux sets the priority of one thread by its id)."""
+def to_background(thread: threading.Thread) -> bool:
+    """Run ``thread`` at ``BACKGROUND_NICE``, on any core of the machine (Linux sets both per
+    thread). vLLM's CPU workers pin their threads to the cores of their rank and keep others
+    free for other work; a background thread then need not share the forward pass's core."""
     native_id = getattr(thread, "native_id", None)
     if native_id is None:
         return False
@@ -55,6 +58,8 @@ def lower_priority(thread: threading.Thread) -> bool:
         os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
     except (AttributeError, OSError):  # another OS, or the thread is gone
         return False
+    with contextlib.suppress(AttributeError, OSError):  # the kernel keeps the cores this process may use
+        os.sched_setaffinity(native_id, range(os.cpu_count() or 1))
     return True
 
 
@@ -85,7 +90,7 @@ class BlockSaver:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstrata-vllm-saver", daemon=True)
         self._thread.start()
-        lower_priority(self._thread)
+        to_background(self._thread)
 
     def submit(self, spec: SaveSpec, pages: list[torch.Tensor], fmt: PageFormat) -> bool:
         """Queue a save; False (dropped, its keys reported as failed) when the queue is full."""
@@ -244,7 +249,7 @@ class WorkerSide:
                 and ident not in self._lowered
                 and thread.name.startswith("kvstrata-")
                 and thread is not self.loader.thread
-                and lower_priority(thread)
+                and to_background(thread)
             ):
                 self._lowered.add(ident)
 
