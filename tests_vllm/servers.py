@@ -46,6 +46,9 @@ def server_env(**extra: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            # vLLM reserves one more core when a KV connector is configured; the same reservation
+            # for every server keeps their thread counts, and so their arithmetic, equal
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
         }
     )
