@@ -10,6 +10,7 @@ import torch
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.vllm.config import ConnectorConfig, parse_ladder, parse_size
 from kvstrata.integrations.vllm.layout import PageFormat
+from kvstrata.integrations.vllm.ranks import rank_key
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.priority import Priority
 
@@ -157,12 +158,12 @@ def test_scheduler_side_keys_namespaces_priorities_and_skips(tmp_path: Path) -> 
     tokens = list(range(3, 15))  # 12 tokens: 3 full blocks
     with KVStore(tmp_path, layout, model_fingerprint=b"w", config=cfg.store) as store:
         for i, key in enumerate(store.block_key_chain("default", tokens)):
-            store.tiered.put(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
+            store.put_block(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
         side = SchedulerSide(cfg, store)
-        # every full block but the one holding the last token
-        assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (8, False)
-        # vLLM already holds the first block locally: only the second is read
-        assert side.get_num_new_matched_tokens(_Request("b", tokens), 4) == (4, False)
+        # every full block but the one holding the last token, loaded asynchronously
+        assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (8, True)
+        # vLLM already holds the first block locally: only the second is loaded
+        assert side.get_num_new_matched_tokens(_Request("b", tokens), 4) == (4, True)
         # another namespace (cache_salt), a LoRA adapter, an image: no hit
         assert side.get_num_new_matched_tokens(_Request("c", tokens, cache_salt="t1"), 0) == (0, False)
         assert side.get_num_new_matched_tokens(_Request("d", tokens, lora_request=object()), 0) == (0, False)
@@ -170,3 +171,74 @@ def test_scheduler_side_keys_namespaces_priorities_and_skips(tmp_path: Path) -> 
         req = _Request("f", tokens, kv_transfer_params={"kvstrata_priority": "background"})
         assert side.state(req).priority is Priority.BACKGROUND
         assert side.state(_Request("g", tokens)).priority is Priority.REALTIME
+        sync = SchedulerSide(
+            ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "load_async": False}), store
+        )
+        assert sync.get_num_new_matched_tokens(_Request("h", tokens), 0) == (8, False)
+
+
+def test_a_block_counts_only_when_every_tensor_parallel_rank_holds_its_shard(tmp_path: Path) -> None:
+    """TP=2: the scheduler side counts a block as held only when both ranks' shards are stored;
+    TP=1 (the base key) and TP=2 (rank keys) never find each other's blocks."""
+    from kvstrata.integrations.vllm.scheduler import SchedulerSide
+    from kvstrata.layout import KVLayout
+    from kvstrata.store import KVStore
+    from kvstrata.store.block import KVBlock
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
+    cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
+    tokens = list(range(3, 16))  # 13 tokens: 3 full blocks, all usable
+    with KVStore(tmp_path, layout, model_fingerprint=b"w", config=cfg.store) as store:
+        keys = store.block_key_chain("default", tokens)
+
+        def put(key: bytes, pos: int) -> None:
+            store.put_block(KVBlock(key, 4, pos, torch.randn(layout.block_shape())), namespace="default")  # type: ignore[arg-type]
+
+        tp2, tp1 = SchedulerSide(cfg, store, tp_size=2), SchedulerSide(cfg, store, tp_size=1)
+        for i, key in enumerate(keys):
+            put(rank_key(key, 0, 2), 4 * i)  # rank 0 of every block
+        put(rank_key(keys[0], 1, 2), 0)  # rank 1 of the first block only
+        assert tp2.get_num_new_matched_tokens(_Request("a", tokens), 0)[0] == 4
+        assert tp1.get_num_new_matched_tokens(_Request("b", tokens), 0)[0] == 0  # no TP=1 block
+        put(rank_key(keys[1], 1, 2), 4)
+        put(rank_key(keys[2], 1, 2), 8)
+        assert tp2.get_num_new_matched_tokens(_Request("c", tokens), 0)[0] == 12
+        put(keys[0], 0)  # a TP=1 block: TP=1 finds it, and TP=2 still needs both shards of the rest
+        assert tp1.get_num_new_matched_tokens(_Request("d", tokens), 0)[0] == 4
+
+
+def test_rank_keys() -> None:
+    key = bytes(range(32))
+    assert rank_key(key, 0, 1) == key  # TP=1: the base key, interchangeable with other integrations
+    shards = [rank_key(key, r, 2) for r in range(2)] + [rank_key(key, r, 4) for r in range(4)]
+    assert len(set(shards)) == 6 and key not in shards
+    with pytest.raises(ConfigError):
+        rank_key(key, 2, 2)
+
+
+def test_store_dir_is_a_store_root(tmp_path: Path) -> None:
+    from kvstrata.cli.stores import layout_dir_name
+    from kvstrata.layout import KVLayout
+    from kvstrata.store import KVStore
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
+    cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path / "root")})
+    assert cfg.store_path(layout) == tmp_path / "root" / layout_dir_name(layout)  # as the CLI lays it out
+    KVStore(tmp_path / "old", layout).close()  # a store_dir that already is a store is used as it is
+    assert ConnectorConfig.from_extra_config({"store_dir": str(tmp_path / "old")}).store_path(layout) == (
+        tmp_path / "old"
+    )
+
+
+def test_load_settings(tmp_path: Path) -> None:
+    cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
+    assert (cfg.load_async, cfg.on_load_error, cfg.event_log) == (True, "recompute", None)
+    cfg = ConnectorConfig.from_extra_config(
+        {"store_dir": str(tmp_path), "load_async": False, "on_load_error": "fail", "event_log": "~/ev.jsonl"}
+    )
+    assert (cfg.load_async, cfg.on_load_error) == (False, "fail")
+    assert cfg.event_log == Path("~/ev.jsonl").expanduser()
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra_config({"on_load_error": "ignore"})
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra_config({"load_async": "yes"})

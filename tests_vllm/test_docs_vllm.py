@@ -2,9 +2,10 @@
 
 The blocks are taken as written (tests/doc_blocks.py reads them), with what names this machine
 rewritten: the model (a local tiny Llama instead of a hub id or a placeholder), ``store_dir`` (a
-temporary directory), ``remote_url`` (a real redis-server started here) and the memory budgets (the
-production sizes of the example would reserve gigabytes). ``vllm serve`` blocks get a free port,
-must answer a completion whose prompt blocks the connector then stores, and are stopped.
+temporary store root), ``remote_url`` (a real redis-server started here) and the memory budgets
+(the production sizes of the example would reserve gigabytes). Server blocks (``vllm serve`` or
+``python -m vllm.entrypoints.openai.api_server``) run in vLLM's default multi-process mode on a
+free port, must answer a completion whose prompt blocks the connector then stores, and are stopped.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def redis_url(work_dir: Path) -> Iterator[str]:
 
 
 def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     return {
-        **os.environ,
+        **env,
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
@@ -56,8 +57,11 @@ def localise(code: str, model: Path, store: Path, redis_url: str) -> str:
     code = re.sub(r'("remote_url"\s*:\s*)"[^"]*"', rf'\1"{redis_url}"', code)
     code = re.sub(r'("l[12]_budget_bytes"\s*:\s*)"[^"]*"', rf'\1"{SMALL_BUDGET}"', code)
     code, n_serve = re.subn(r"\bvllm serve \S+", f"vllm serve {model}", code)
+    code, n_module = re.subn(
+        r"(-m vllm\.entrypoints\.openai\.api_server\s+--model)\s+\S+", rf"\1 {model}", code
+    )
     code, n_llm = re.subn(r'\bmodel\s*=\s*"[^"]*"', f'model="{model}"', code)
-    assert n_store >= 1 and n_serve + n_llm == 1, code
+    assert n_store >= 1 and n_serve + n_module + n_llm == 1, code
     return code
 
 
@@ -91,6 +95,7 @@ def _run_serve(code: str, tmp_path: Path, block: DocBlock) -> None:
     script = tmp_path / "serve.sh"
     # the block's command, on a free port, with the tiny model's length and vLLM's CPU defaults
     command = code.strip().replace("vllm serve", vllm_command(), 1)
+    command = re.sub(r"^python3?(?= -m vllm\.)", sys.executable, command)
     script.write_text(f"exec {command} --port {port} --max-model-len 1024 --enforce-eager --dtype float32\n")
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
@@ -152,5 +157,8 @@ def test_vllm_block(block: DocBlock, models, redis_url: str, tmp_path: Path) -> 
         assert done.returncode == 0, f"{block.id}:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     else:
         _run_serve(code, tmp_path, block)
-    # the connector opened its store where the example said
-    assert (store / "index.sqlite").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    # the connector opened its store where the example said: under the store root, one per layout,
+    # where the CLI's --store finds it
+    from kvstrata.cli.stores import find_stores
+
+    assert find_stores(store), sorted(p.name for p in tmp_path.iterdir())

@@ -62,9 +62,9 @@ def shutdown(llm) -> None:
 def run_phase(spec: dict) -> dict:
     from vllm import SamplingParams
 
-    from kvstrata.integrations.vllm.shared import EVENTS
+    from kvstrata.integrations.vllm.events import EVENTS
 
-    EVENTS.__init__()  # a fresh log per phase
+    EVENTS.reset()  # a fresh log per phase
     started = time.perf_counter()
     llm = make_llm(spec)
     result: dict = {"start_s": time.perf_counter() - started, "rounds": []}

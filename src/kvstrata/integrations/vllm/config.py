@@ -6,6 +6,11 @@ and one written by ``kvstrata`` itself behave alike. Sizes are bytes, given as i
 strings with a unit (``"512MiB"``, ``"2GiB"``, ``"64M"``). Unknown keys are an error, so a typo
 never silently falls back to a default.
 
+``store_dir`` is a store *root*, as ``--store`` is for the CLI (:mod:`kvstrata.cli.stores`): the
+connector keeps its store in ``<store_dir>/<layout>/`` (one store per KV layout), so ``kvstrata
+sessions list --store ROOT``, ``kvstrata store stats`` and ``kvstrata gc`` find it; a
+``store_dir`` that already is a store is used as it is.
+
 This module does not import vLLM; it can be used (and tested) without it.
 """
 
@@ -20,6 +25,7 @@ from typing import Any
 
 from kvstrata.config import StoreConfig, WritePolicy, default_store_dir, encryption_key_from_env
 from kvstrata.errors import ConfigError
+from kvstrata.layout import KVLayout
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.priority import Priority
 from kvstrata.store.tiers.remote import RemoteConfig
@@ -119,12 +125,28 @@ class ConnectorConfig:
     """What ``kv_connector_extra_config`` says, validated."""
 
     store_dir: Path
+    """The store root (see :meth:`store_path`)."""
     store: StoreConfig
     namespace: str = DEFAULT_NAMESPACE
     priority: Priority = DEFAULT_PRIORITY
     model_fingerprint: bytes | None = None
     save_decode_blocks: bool = True
+    load_async: bool = True
+    """Load blocks in the worker's background thread while the engine keeps computing other
+    requests (vLLM's asynchronous loads); False: load them before the forward pass that needs them."""
+    on_load_error: str = "recompute"
+    """What vLLM does with a block that fails to load (vLLM's ``kv_load_failure_policy``, which the
+    connector sets): ``recompute`` the tokens, or ``fail`` the request."""
+    event_log: Path | None = None
+    """A JSON-lines file every connector process appends its lookups, loads and saves to."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def store_path(self, layout: KVLayout) -> Path:
+        """The store this model's blocks go to: ``store_dir/<layout>/``, as the CLI lays out a root
+        (or ``store_dir`` itself when it already is a store)."""
+        from kvstrata.cli.stores import store_for_layout
+
+        return store_for_layout(self.store_dir, layout)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -137,7 +159,8 @@ class ConnectorConfig:
                 f"known: {', '.join(sorted(known))}"
             )
         store_dir = data.get("store_dir")
-        root = Path(os.path.expanduser(str(store_dir))) if store_dir else default_store_dir()
+        # the CLI's default root when none is given ($KVSTRATA_STORE, else the user data dir)
+        root = Path(os.path.expanduser(str(store_dir))) if store_dir else default_store_dir().expanduser()
 
         remote = None
         url = data.get("remote_url") or os.environ.get("KVSTRATA_REMOTE")
@@ -203,6 +226,10 @@ class ConnectorConfig:
                 raise ConfigError("model_fingerprint must be hex") from exc
             if not fingerprint:
                 raise ConfigError("model_fingerprint must not be empty")
+        on_load_error = data.get("on_load_error", "recompute")
+        if on_load_error not in ("recompute", "fail"):
+            raise ConfigError(f"on_load_error must be 'recompute' or 'fail', got {on_load_error!r}")
+        event_log = data.get("event_log")
         return cls(
             store_dir=root,
             store=store,
@@ -210,6 +237,9 @@ class ConnectorConfig:
             priority=Priority.parse(data.get("priority", DEFAULT_PRIORITY)),
             model_fingerprint=fingerprint,
             save_decode_blocks=_bool(data.get("save_decode_blocks", True), "save_decode_blocks"),
+            load_async=_bool(data.get("load_async", True), "load_async"),
+            on_load_error=str(on_load_error),
+            event_log=Path(os.path.expanduser(str(event_log))) if event_log else None,
             extra=data,
         )
 
@@ -238,4 +268,7 @@ _KEYS = (
     "remote_timeout_s",
     "remote_write_through",
     "save_decode_blocks",
+    "load_async",
+    "on_load_error",
+    "event_log",
 )

@@ -7,9 +7,11 @@ Register it with::
                      kv_role="kv_both",
                      kv_connector_extra_config={"store_dir": "/var/lib/kvstrata", ...})
 
-vLLM constructs it twice, once per role; both roles of one process share one store. The
-scheduler role decides (``scheduler.SchedulerSide``), the worker role moves bytes
-(``worker.WorkerSide``).
+vLLM constructs it once per role and process: the scheduler role in the EngineCore process
+(``scheduler.SchedulerSide``: which blocks the store holds, which to save; it never reads KV), the
+worker role in each worker, one per tensor-parallel rank (``worker.WorkerSide``: loads and saves
+its own shard). Each process opens the store itself (``shared``); only keys and page ids pass
+between them, in vLLM's connector metadata.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvstrata.integrations.vllm import shared
 from kvstrata.integrations.vllm.config import ConnectorConfig
-from kvstrata.integrations.vllm.layout import layout_from_vllm, model_fingerprint
-from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata
-from kvstrata.integrations.vllm.scheduler import SchedulerSide
-from kvstrata.integrations.vllm.worker import BlockSaver, WorkerSide
-from kvstrata.store.tiers.base import TierLevel
+from kvstrata.integrations.vllm.events import EVENTS
+from kvstrata.integrations.vllm.layout import layout_from_vllm, model_fingerprint, tensor_parallel_size
+from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata, KVStrataWorkerMetadata
+from kvstrata.integrations.vllm.scheduler import DISK, HOST, REMOTE, SchedulerSide
+from kvstrata.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,9 +41,16 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 class KVStrataConnector(KVConnectorBase_V1):
@@ -52,24 +62,47 @@ class KVStrataConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra_config(extra)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config)
         self.fingerprint = model_fingerprint(vllm_config, self.config.model_fingerprint)
-        self.store = shared.acquire(self.config.store_dir, self.layout, self.fingerprint, self.config.store)
+        self.tp_size = tensor_parallel_size(vllm_config)
         self._closed = False
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._saver: BlockSaver | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, self.store)
+        path = self.config.store_path(self.layout)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.store = shared.acquire(
+            path, self.layout, self.fingerprint, self.config.store, memory=not is_scheduler
+        )
+        rank = 0
+        if is_scheduler:
+            EVENTS.configure(self.config.event_log)
+            self._scheduler = SchedulerSide(self.config, self.store, self.tp_size)
+            self._set_load_failure_policy()
         else:
-            self._saver = BlockSaver(self.store)
-            shared.register_saver(self.store, self._saver)
-            self._worker = WorkerSide(self.store, vllm_config, self._saver)
+            rank = _tp_rank() if self.tp_size > 1 else 0
+            EVENTS.configure(self.config.event_log)
+            self._worker = WorkerSide(self.store, vllm_config, rank, self.tp_size)
+            shared.on_close(self.store, self._worker)
         log.info(
-            "kvstrata connector (%s): store %s, layout %s, model %s",
+            "kvstrata connector (%s%s): store %s, layout %s, model %s",
             role.name,
+            f", rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
             self.store.root,
             self.layout.describe(),
             self.fingerprint.hex()[:16],
         )
+
+    def _set_load_failure_policy(self) -> None:
+        """vLLM reads ``kv_load_failure_policy`` right after it builds the scheduler's connector.
+        Its default, ``fail``, is meant for transfers whose KV exists nowhere else; for a cache, a
+        block that fails to load is a miss, so the connector asks vLLM to recompute it (unless
+        ``on_load_error`` says ``fail``)."""
+        current = getattr(self._kv_transfer_config, "kv_load_failure_policy", None)
+        if current is not None and current != self.config.on_load_error:
+            log.info(
+                "kvstrata: vLLM's kv_load_failure_policy %r set to %r (on_load_error)",
+                current,
+                self.config.on_load_error,
+            )
+            self._kv_transfer_config.kv_load_failure_policy = self.config.on_load_error
 
     # -- worker side -----------------------------------------------------------------------------
     def _meta(self) -> KVStrataConnectorMetadata:
@@ -86,7 +119,7 @@ class KVStrataConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv wrote every layer before the forward pass
+        return  # synchronous loads were written into every layer before the forward pass
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -100,10 +133,18 @@ class KVStrataConnector(KVConnectorBase_V1):
             self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves finish within their step
+        if self._worker is None:
+            return None, None
+        return None, self._worker.get_finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed() if self._worker is not None else set()
+        return self._worker.take_failed_pages() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        failed = self._worker.failed_keys.take()
+        return KVStrataWorkerMetadata(failed) if failed else None
 
     # -- scheduler side --------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -121,13 +162,14 @@ class KVStrataConnector(KVConnectorBase_V1):
             return {}
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        by_tier = self._scheduler.external_hit_tiers(request)
-        sources = {
-            CacheHitSource.HOST: by_tier.get(TierLevel.L1, 0) + by_tier.get(TierLevel.L2, 0),
-            CacheHitSource.DISK: by_tier.get(TierLevel.L3, 0),
-            CacheHitSource.EXTERNAL_UNSPECIFIED: by_tier.get(TierLevel.L4, 0),
+        names = {
+            HOST: CacheHitSource.HOST,
+            DISK: CacheHitSource.DISK,
+            REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM has no label for a shared remote store
         }
-        sources = {k: v for k, v in sources.items() if v}
+        sources: dict[Any, int] = {}
+        for name, tokens in self._scheduler.hit_sources(request).items():
+            sources[names[name]] = sources.get(names[name], 0) + tokens
         if sum(sources.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return sources
@@ -142,6 +184,10 @@ class KVStrataConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
@@ -151,6 +197,4 @@ class KVStrataConnector(KVConnectorBase_V1):
         if self._closed:
             return
         self._closed = True
-        if self._saver is not None:
-            self._saver.close()
         shared.release(self.store)

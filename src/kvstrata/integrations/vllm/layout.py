@@ -81,13 +81,19 @@ def attention_geometry(vllm_config: Any, kv_cache_config: Any | None) -> Attenti
     )
 
 
+def tensor_parallel_size(vllm_config: Any) -> int:
+    return int(vllm_config.parallel_config.tensor_parallel_size)
+
+
 def layout_from_vllm(vllm_config: Any, kv_cache_config: Any | None) -> KVLayout:
-    """kvstrata's layout for the model vLLM runs: one vLLM block = one kvstrata block."""
+    """kvstrata's layout for the model vLLM runs: one vLLM block = one kvstrata block, of one
+    tensor-parallel rank (its share of the KV heads; every rank has the same layout, and its own
+    keys: see ``ranks``)."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ConfigError(
-            "the kvstrata connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            "the kvstrata connector supports pipeline_parallel_size=1 "
+            f"(got {parallel.pipeline_parallel_size}); tensor parallelism is supported"
         )
     geometry = attention_geometry(vllm_config, kv_cache_config)
     try:

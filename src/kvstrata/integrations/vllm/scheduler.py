@@ -1,28 +1,43 @@
-"""The scheduler side: which tokens the store can supply, and which blocks to save.
+"""The scheduler side: what the store holds for a request, and which blocks the workers save.
 
-For a new request it keys the full blocks of its tokens with kvstrata's chained keys (model
-fingerprint, layout, namespace = the request's ``cache_salt`` or the configured namespace), then
-reads the blocks that vLLM does not already hold locally through the store's normal read path
-(every tier, L4 first fetched in one pipelined round trip). Reading them here, not just looking
-them up, means every byte is verified (CRC32C, key, layout) before vLLM is told about a hit: a
-corrupt or foreign block ends the hit where it lies, and the request recomputes from there. Only
-the blocks that are needed are read. The last prompt token is always left to compute.
+It runs in vLLM's EngineCore process and never reads KV. For a new request it keys the full
+blocks of its tokens with kvstrata's chained keys (model fingerprint, layout, namespace = the
+request's ``cache_salt`` or the configured namespace) and counts the run of blocks, from the first
+one vLLM does not hold itself, that the store holds for *every* tensor-parallel rank:
+
+* blocks this server's workers were told to save (they hold them in memory, or are still saving
+  them: a worker's load waits for its own pending save of that block);
+* blocks in the store's index (L3: written by this server, an earlier run or another replica);
+* with a remote tier, the blocks no local tier holds are fetched from L4 in one pipelined round
+  trip and written to L3 (``KVStore.prefetch_remote``); a worker that looks before that write
+  lands reads them from L4 itself.
+
+The last prompt token is always left to compute. The hit is only what the index says: a block
+that turns out to be damaged, foreign or gone when a worker reads it is reported back to vLLM as
+a load error, and vLLM recomputes from there (``worker.WorkerSide``). By default loads are
+asynchronous: the request waits (``WAITING_FOR_REMOTE_KVS``) while its workers read, and the
+engine keeps computing the others.
 
 Each step it names, per request, the full blocks that become complete in that step and that the
-store does not hold yet; the worker side copies exactly those pages out.
+store does not hold yet; the workers copy exactly those pages out and save them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvstrata.integrations.vllm.config import ConnectorConfig
-from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata, LoadSpec, SaveSpec
-from kvstrata.integrations.vllm.shared import EVENTS, flush_saves
+from kvstrata.integrations.vllm.events import EVENTS
+from kvstrata.integrations.vllm.metadata import (
+    KVStrataConnectorMetadata,
+    KVStrataWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvstrata.integrations.vllm.ranks import rank_keys
 from kvstrata.keys import BlockKey, chain_key
 from kvstrata.priority import Priority
 from kvstrata.store import KVStore
@@ -34,13 +49,47 @@ PRIORITY_PARAM = "kvstrata_priority"
 """Per-request priority class: ``SamplingParams(extra_args={"kv_transfer_params":
 {"kvstrata_priority": "background"}})``."""
 
+HOST, DISK, REMOTE = "host", "disk", "remote"
+"""Where a hit's blocks come from, as the scheduler sees it: the workers' memory (blocks this
+server saved), the disk tier (L3), or the remote tier (L4, fetched by this lookup)."""
+
+RECENT_SAVES = 1 << 16
+"""Base keys of blocks this server saved that the scheduler remembers (a bounded LRU)."""
+
+
+class _RecentKeys:
+    """A bounded set of keys, oldest forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        self._keys.pop(key, None)
+
 
 @dataclass
-class _PendingLoad:
+class _Load:
     first_block: int
-    num_blocks: int
-    kv: torch.Tensor
-    tokens_by_tier: dict[TierLevel, int]
+    keys: list[BlockKey]
+    sources: list[str]
+    is_async: bool
+    page_ids: list[int] = field(default_factory=list)
+
+    def tokens_by_source(self, block_tokens: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for source in self.sources:
+            out[source] = out.get(source, 0) + block_tokens
+        return out
 
 
 @dataclass
@@ -50,8 +99,11 @@ class _RequestState:
     priority: Priority
     keys: list[BlockKey] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    pending: _PendingLoad | None = None
-    to_load: _PendingLoad | None = None
+    pending: _Load | None = None
+    """The hit last reported to vLLM, until it allocates pages for it."""
+    to_load: _Load | None = None
+    """A synchronous load, sent with the step that schedules the request."""
+    hit_sources: dict[str, int] = field(default_factory=dict)
     saved_upto: int = 0
     """Full blocks before this one are stored (or were checked to be)."""
     cacheable: bool = True
@@ -69,26 +121,28 @@ def _cacheable(request: Any) -> bool:
     )
 
 
-def _with_remote(by_tier: dict[TierLevel, int], remote_tokens: int) -> dict[TierLevel, int]:
-    """Tokens per tier, with the ``remote_tokens`` that a prefetch just brought from L4 (the load
-    then found them in a local tier) counted as L4."""
-    out = dict(by_tier)
-    for level in (TierLevel.L1, TierLevel.L2, TierLevel.L3):
-        take = min(out.get(level, 0), remote_tokens)
-        if take:
-            out[level] -= take
-            remote_tokens -= take
-            out[TierLevel.L4] = out.get(TierLevel.L4, 0) + take
-    return {level: n for level, n in out.items() if n}
+def _pages(req_id: str, block_ids: list[int], load: _Load) -> list[int]:
+    """The pages ``load``'s blocks go to: one per block, from its first block on."""
+    pages = block_ids[load.first_block : load.first_block + len(load.keys)]
+    if len(pages) != len(load.keys):  # cannot happen with vLLM's allocator; never load into wrong pages
+        raise RuntimeError(f"kvstrata: request {req_id} has {len(pages)} pages for {len(load.keys)} blocks")
+    return pages
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, store: KVStore) -> None:
+    def __init__(self, config: ConnectorConfig, store: KVStore, tp_size: int = 1) -> None:
         self.config = config
         self.store = store
-        self.layout = store.layout
+        self.tp_size = tp_size
         self.block_tokens = store.layout.block_tokens
         self._requests: dict[str, _RequestState] = {}
+        self._saved = _RecentKeys(RECENT_SAVES)
+        self._failed = _RecentKeys(RECENT_SAVES)
+        """Base keys a worker failed to load or save: not held until saved again (this process's
+        view of the index may still list a block another process quarantined or removed)."""
+        self._async_ready: list[tuple[str, _Load, str]] = []
+        self._loading: set[str] = set()
+        """Requests with an asynchronous load the workers have not reported done."""
 
     # -- per-request state -----------------------------------------------------------------------
     def _namespace(self, request: Any) -> str:
@@ -117,6 +171,41 @@ class SchedulerSide:
             st.keys.append(chain_key(parent, list(tokens[i * bt : (i + 1) * bt])))
         return st.keys[:num_blocks]
 
+    # -- what the store holds --------------------------------------------------------------------
+    def _stored_source(self, key: BlockKey) -> str | None:
+        """Where the store holds every rank's shard of ``key`` (the outermost tier), or None."""
+        levels = [self.store.where(shard) for shard in rank_keys(key, self.tp_size)]
+        if any(level is None for level in levels):
+            return None
+        return HOST if all(level in (TierLevel.L1, TierLevel.L2) for level in levels) else DISK
+
+    def held(self, key: BlockKey) -> str | None:
+        """Where block ``key`` comes from if it is held for every rank, else None."""
+        if key in self._failed:
+            return None
+        if key in self._saved:
+            return HOST
+        return self._stored_source(key)
+
+    def _held_run(self, keys: list[BlockKey]) -> list[str]:
+        """The sources of the leading run of ``keys`` that the store holds."""
+        sources: list[str] = []
+        fetched: set[BlockKey] | None = None
+        for i, key in enumerate(keys):
+            source = self.held(key)
+            if source is None and fetched is None and self.store.has_remote:
+                # one pipelined round trip for every shard of the rest that no local tier holds
+                wanted = [shard for k in keys[i:] for shard in rank_keys(k, self.tp_size)]
+                missing = [shard for shard in wanted if not self.store.contains(shard)]
+                fetched = set(missing) if self.store.prefetch_remote(missing) else set()
+                source = self._stored_source(key)
+            if source is None:
+                break
+            if fetched and any(shard in fetched for shard in rank_keys(key, self.tp_size)):
+                source = REMOTE
+            sources.append(source)
+        return sources
+
     # -- vLLM's scheduler-side calls -------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         self.state(request)
@@ -130,63 +219,53 @@ class SchedulerSide:
         first = num_computed_tokens // bt
         if usable <= first:
             return 0, False
-        if st.pending is not None and st.pending.first_block == first:
-            return st.pending.num_blocks * bt, False  # asked again (not scheduled last time)
         keys = self._keys_upto(st, usable)[first:]
-        flush_saves(self.store, keys)  # blocks that earlier steps are still saving: wait for them
-        remote: set[BlockKey] = set()
-        if self.store.has_remote:
-            # one pipelined round trip for every block no local tier holds
-            remote = {k for k in keys if not self.store.contains(k)}
-            if not self.store.prefetch_remote(keys):
-                remote = set()
-        loaded = self.store.load_blocks(keys, priority=st.priority)
-        num_blocks = loaded.num_tokens // bt
-        by_tier = _with_remote(loaded.tokens_by_tier, bt * sum(k in remote for k in keys[:num_blocks]))
-        self._record(request, st, num_computed_tokens, num_blocks * bt, by_tier)
-        if num_blocks == 0 or loaded.kv is None:
-            st.pending = None
-            return 0, False
-        kv = loaded.kv[:, :, :, : num_blocks * bt]
-        st.pending = _PendingLoad(first, num_blocks, kv, by_tier)
-        return num_blocks * bt, False
-
-    def _record(
-        self, request: Any, st: _RequestState, local: int, external: int, by_tier: dict[TierLevel, int]
-    ) -> None:
-        EVENTS.lookups.append(
-            {
-                "req_id": request.request_id,
-                "namespace": st.namespace,
-                "num_tokens": len(request.all_token_ids),
-                "local_tokens": local,
-                "external_tokens": external,
-                "tokens_by_tier": {level.name: n for level, n in by_tier.items()},
-            }
+        sources = self._held_run(keys)
+        n = len(sources)
+        load = _Load(first, keys[:n], sources, self.config.load_async) if n else None
+        st.pending = load
+        EVENTS.emit(
+            "lookup",
+            req_id=request.request_id,
+            namespace=st.namespace,
+            num_tokens=len(request.all_token_ids),
+            local_tokens=num_computed_tokens,
+            external_tokens=n * bt,
+            tokens_by_source=load.tokens_by_source(bt) if load else {},
+            load_async=bool(load and load.is_async),
         )
+        if load is None:
+            return 0, False
+        return n * bt, load.is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
         if st is None:
             return
-        pending, st.pending = st.pending, None
-        if num_external_tokens <= 0 or pending is None:
+        load, st.pending = st.pending, None
+        if num_external_tokens <= 0 or load is None:
             return
         bt = self.block_tokens
-        num_blocks = min(pending.num_blocks, -(-num_external_tokens // bt))
-        st.to_load = _PendingLoad(
-            pending.first_block, num_blocks, pending.kv[:, :, :, : num_blocks * bt], pending.tokens_by_tier
-        )
-        st.saved_upto = max(st.saved_upto, pending.first_block + num_blocks)
+        n = min(len(load.keys), -(-num_external_tokens // bt))
+        load.keys, load.sources = load.keys[:n], load.sources[:n]
+        st.hit_sources = load.tokens_by_source(bt)
+        st.saved_upto = max(st.saved_upto, load.first_block + n)
+        if not load.is_async:
+            st.to_load = load  # sent with the step that schedules the request (its pages known then)
+            return
+        load.page_ids = _pages(request.request_id, list(blocks.get_block_ids()[0]), load)
+        self._async_ready.append((request.request_id, load, st.priority.value))
 
-    def external_hit_tiers(self, request: Any) -> dict[TierLevel, int]:
+    def hit_sources(self, request: Any) -> dict[str, int]:
         st = self._requests.get(request.request_id)
-        if st is None or st.to_load is None:
-            return {}
-        return dict(st.to_load.tokens_by_tier)
+        return dict(st.hit_sources) if st is not None else {}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStrataConnectorMetadata:
         meta = KVStrataConnectorMetadata()
+        for req_id, load, priority in self._async_ready:
+            meta.loads.append(LoadSpec(req_id, load.page_ids, [bytes(k) for k in load.keys], priority, True))
+            self._loading.add(req_id)
+        self._async_ready.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._requests.get(new.req_id)
@@ -219,13 +298,10 @@ class SchedulerSide:
         bt = self.block_tokens
         if st.to_load is not None:
             load, st.to_load = st.to_load, None
-            pages = st.block_ids[load.first_block : load.first_block + load.num_blocks]
-            if len(pages) == load.num_blocks:
-                meta.loads.append(LoadSpec(req_id, pages, load.kv))
-            else:  # cannot happen with vLLM's allocator; never load into the wrong pages
-                log.error(
-                    "kvstrata: request %s has %d pages for %d blocks", req_id, len(pages), load.num_blocks
-                )
+            pages = _pages(req_id, st.block_ids, load)
+            meta.loads.append(
+                LoadSpec(req_id, pages, [bytes(k) for k in load.keys], st.priority.value, False)
+            )
         request = st.request
         if not st.cacheable:
             return
@@ -236,20 +312,45 @@ class SchedulerSide:
         if full <= st.saved_upto:
             return
         keys = self._keys_upto(st, full)
-        todo = [j for j in range(st.saved_upto, full) if not self.store.contains(keys[j])]
+        todo = [j for j in range(st.saved_upto, full) if self.held(keys[j]) is None]
         st.saved_upto = full
-        if todo:
-            meta.saves.append(
-                SaveSpec(
-                    req_id,
-                    [st.block_ids[j] for j in todo],
-                    [bytes(keys[j]) for j in todo],
-                    [j * bt for j in todo],
-                    st.namespace,
-                    st.priority.value,
-                )
+        if not todo:
+            return
+        for j in todo:
+            self._failed.discard(bytes(keys[j]))
+            self._saved.add(bytes(keys[j]))
+        meta.saves.append(
+            SaveSpec(
+                req_id,
+                [st.block_ids[j] for j in todo],
+                [bytes(keys[j]) for j in todo],
+                [j * bt for j in todo],
+                st.namespace,
+                st.priority.value,
             )
+        )
+
+    def update_connector_output(self, output: Any) -> None:
+        for req_id in getattr(output, "finished_recving", None) or ():
+            self._loading.discard(req_id)
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(report, KVStrataWorkerMetadata) and report.failed_keys:
+            self._forget(report.failed_keys)
+
+    def _forget(self, failed: set[bytes]) -> None:
+        """Blocks a worker could not load or save are no longer held; a running request saves
+        them again once vLLM has recomputed them."""
+        for key in failed:
+            self._saved.discard(key)
+            self._failed.add(key)
+        for st in self._requests.values():
+            for j in range(min(st.saved_upto, len(st.keys))):
+                if bytes(st.keys[j]) in failed:
+                    st.saved_upto = j
+                    break
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        return False, None  # saves copy pages out within the step: the blocks may be freed at once
+        # saves copy their pages out within the step, so the pages may be freed at once; an
+        # asynchronous load still writing into them keeps them until the workers report it done
+        return request.request_id in self._loading, None

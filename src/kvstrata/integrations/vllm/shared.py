@@ -1,22 +1,27 @@
-"""One :class:`KVStore` per process and store directory, shared by the connector's two roles.
+"""The connector's :class:`KVStore` in this process, opened once per store directory.
 
-vLLM builds the scheduler-side and the worker-side connector separately; with one worker (the
-usual engine core process holds both) they must use one store: a writable kvstrata store is owned
-by one process at a time (``owner.lock``), and sharing it means a block the worker saved is at
-once visible to the scheduler's lookups. The store is closed (queued writes flushed to L3 and L4)
-when the last role releases it, and at interpreter exit as a safety net.
+Each process that vLLM builds a connector in opens the store itself: the EngineCore process for
+the scheduler side, each worker (one per tensor-parallel rank) for the worker side, every replica
+for its own. The store is made for that (docs/architecture.md, "Many processes, one store"): the
+SQLite index is the one truth, block files are immutable per write, and memory tiers stay per
+process.
 
-It also keeps the connector's event log: one record per request lookup (tokens hit, per tier)
-and counters of blocks saved, which the tests and the benchmark read in-process.
+* A worker's store has the configured memory tiers (L1, L2): loads and saves go through them.
+* The scheduler side only asks the index what the store holds (and prefetches L4 blocks to L3), so
+  a store it opens alone has no memory tiers: nothing of the KV is kept in the EngineCore process.
+* When both roles live in one process (vLLM's offline ``LLM`` with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the scheduler side uses the worker's store.
+
+The store is closed (pending saves handed to it first, queued L3/L4 writes flushed, write-back
+blocks persisted) when the last role in the process releases it, and at interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
-from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,103 +34,84 @@ from kvstrata.store import KVStore
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_open: dict[Path, _Entry] = {}
+_open: list[_Entry] = []
 
 
 @dataclass
 class _Entry:
+    path: Path
     store: KVStore
     fingerprint: bytes
+    memory: bool
+    """Opened with the configured memory tiers (a worker's), not the scheduler's index-only view."""
     users: int = 0
-    savers: list[Any] = field(default_factory=list)
+    closers: list[Any] = field(default_factory=list)
 
 
-def acquire(root: Path, layout: KVLayout, fingerprint: bytes, config: StoreConfig) -> KVStore:
-    """The process's store at ``root`` (opened on first use)."""
-    key = root.expanduser().resolve()
+def acquire(
+    path: Path, layout: KVLayout, fingerprint: bytes, config: StoreConfig, *, memory: bool
+) -> KVStore:
+    """This process's store at ``path``; ``memory=False`` (the scheduler side) accepts any open
+    instance, or opens one without memory tiers."""
+    key = path.expanduser().resolve()
     with _lock:
-        entry = _open.get(key)
-        if entry is None:
-            store = KVStore(key, layout, model_fingerprint=fingerprint, config=config)
-            entry = _open[key] = _Entry(store, fingerprint)
-        elif entry.store.layout != layout or entry.fingerprint != fingerprint:
-            raise ConfigError(f"store {key} is already open in this process for another model or layout")
-        entry.users += 1
-        return entry.store
+        for entry in _open:
+            if entry.path == key and (entry.memory or not memory):
+                if entry.store.layout != layout or entry.fingerprint != fingerprint:
+                    raise ConfigError(
+                        f"store {key} is already open in this process for another model or layout"
+                    )
+                entry.users += 1
+                return entry.store
+        if not memory:
+            config = dataclasses.replace(config, l1_budget_bytes=0, l2_budget_bytes=0)
+        store = KVStore(key, layout, model_fingerprint=fingerprint, config=config)
+        entry = _Entry(key, store, fingerprint, memory, users=1)
+        _open.append(entry)
+        return store
+
+
+def on_close(store: KVStore, closer: Any) -> None:
+    """Call ``closer.close()`` before ``store`` closes (the worker's background saver and loader)."""
+    with _lock:
+        for entry in _open:
+            if entry.store is store:
+                entry.closers.append(closer)
 
 
 def release(store: KVStore) -> None:
     """One role is done with ``store``; the last one closes it."""
     with _lock:
-        for key, entry in list(_open.items()):
+        for entry in list(_open):
             if entry.store is store:
                 entry.users -= 1
-                if entry.users <= 0:
-                    del _open[key]
-                    _close(entry)
-                return
-
-
-def register_saver(store: KVStore, saver: Any) -> None:
-    """The worker's background saver (anything with ``flush()``), so that the scheduler, when it
-    runs in the same process, can wait for saves queued by earlier steps before a lookup."""
-    with _lock:
-        for entry in _open.values():
-            if entry.store is store:
-                entry.savers.append(saver)
-
-
-def flush_saves(store: KVStore, keys: Iterable[bytes] | None = None) -> None:
-    """Wait for the saves queued for ``store`` (with ``keys``: only if one of them is queued)."""
-    with _lock:
-        savers = [s for e in _open.values() if e.store is store for s in e.savers]
-    for saver in savers:
-        saver.flush(keys)
+                if entry.users > 0:
+                    return
+                _open.remove(entry)
+                break
+        else:
+            return
+    _close(entry)
 
 
 def _close(entry: _Entry) -> None:
     try:
-        for saver in entry.savers:
-            saver.close()  # pending saves reach the store before it closes
+        for closer in entry.closers:
+            closer.close()  # pending saves reach the store before it closes
         store = entry.store
         if store.config.write_policy is WritePolicy.WRITE_BACK:
             # write-back keeps blocks in memory only until they leave it: a clean stop writes them
             store.persist_memory()
         store.close()  # flushes queued L3 and L4 writes
     except Exception:  # closing must not fail vLLM's shutdown
-        log.exception("kvstrata: closing the store at %s failed", entry.store.root)
+        log.exception("kvstrata: closing the store at %s failed", entry.path)
 
 
 @atexit.register
 def close_all() -> None:
-    """Close every store still open (an engine that was not shut down)."""
+    """Close every store still open (an engine that was not shut down, a SIGTERM'd worker)."""
     with _lock:
-        entries = list(_open.values())
+        entries = list(_open)
         _open.clear()
     for entry in entries:
         _close(entry)
-
-
-@dataclass
-class EventLog:
-    """What the connector did, for tests, benchmarks and logs (bounded)."""
-
-    lookups: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=10_000))
-    blocks_saved: int = 0
-    blocks_loaded: int = 0
-    save_errors: int = 0
-    load_errors: int = 0
-    page_format: str | None = None
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "lookups": list(self.lookups),
-            "blocks_saved": self.blocks_saved,
-            "blocks_loaded": self.blocks_loaded,
-            "save_errors": self.save_errors,
-            "load_errors": self.load_errors,
-            "page_format": self.page_format,
-        }
-
-
-EVENTS = EventLog()

@@ -1,17 +1,26 @@
-"""The worker side: moving blocks between vLLM's paged KV cache and the store.
+"""The worker side: moving blocks between vLLM's paged KV cache and the store, in each worker.
 
-* Loads: the scheduler side already read and verified the blocks; ``start_load_kv`` writes them
-  into the request's pages of every layer before the forward pass (a synchronous load: the same
-  step computes the rest of the prompt on top of them).
+Every worker (one per tensor-parallel rank) opens the store itself and moves only its own shard
+(``ranks.rank_key``); the scheduler side sends keys and page ids, never KV.
+
+* Loads: each block is read through the store's normal read path (memory tiers, then L3, then L4;
+  every byte verified: CRC32C, key, layout) and written into the request's pages of every layer.
+  Asynchronous loads run in a background thread (:class:`BlockLoader`) while the engine computes
+  other requests; the request is reported done through ``get_finished``. Synchronous loads run in
+  ``start_load_kv`` before the forward pass. A block that is missing, damaged or foreign (the
+  store quarantines damaged files) is never written into a page: its page and every later page of
+  that load are reported to vLLM (``get_block_ids_with_load_errors``), which recomputes them.
 * Saves: after each layer's attention, ``save_kv_layer`` copies the pages of the blocks to save out
-  of that layer's cache (the only work on the forward path). ``wait_for_save`` hands the copies to a
-  background thread, which turns them into kvstrata blocks and puts them in the store; the store's
-  own background writer then writes them to L3 (and L4).
+  of that layer's cache (the only work on the forward path). ``wait_for_save`` hands the copies to
+  a background thread (:class:`BlockSaver`), which turns them into kvstrata blocks and puts them in
+  the store; the store's own background writer then writes them to L3 (and L4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterable
@@ -20,15 +29,38 @@ from typing import Any
 import torch
 
 from kvstrata.errors import ConfigError
+from kvstrata.integrations.vllm.events import EVENTS
 from kvstrata.integrations.vllm.layout import PageFormat
-from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata, SaveSpec
-from kvstrata.integrations.vllm.shared import EVENTS
-from kvstrata.keys import BlockKey
+from kvstrata.integrations.vllm.metadata import KVStrataConnectorMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.ranks import rank_key
 from kvstrata.priority import Priority
 from kvstrata.store import KVStore
 from kvstrata.store.block import KVBlock
 
 log = logging.getLogger(__name__)
+
+
+BACKGROUND_NICE = 10
+"""The CPU priority (Linux nice value) of kvstrata's background threads in a worker: saving
+blocks, and the store's writers, yield the cores to the forward pass (on a CPU server they would
+otherwise slow the prefill that produced the blocks)."""
+
+
+def to_background(thread: threading.Thread) -> bool:
+    """Run ``thread`` at ``BACKGROUND_NICE``, on any core of the machine (Linux sets both per
+    thread). vLLM's CPU workers pin their threads to the cores of their rank and keep others
+    free for other work; a background thread then need not share the forward pass's core."""
+    native_id = getattr(thread, "native_id", None)
+    if native_id is None:
+        return False
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, native_id)
+        os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
+    except (AttributeError, OSError):  # another OS, or the thread is gone
+        return False
+    with contextlib.suppress(AttributeError, OSError):  # the kernel keeps the cores this process may use
+        os.sched_setaffinity(native_id, range(os.cpu_count() or 1))
+    return True
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -43,22 +75,43 @@ def _layer_index(name: str, fallback: int) -> int:
 class BlockSaver:
     """Turns copied pages into blocks and puts them in the store, off the forward path."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, rank: int, tp_size: int, failed: FailedKeys) -> None:
         self.store = store
+        self.rank = rank
+        self.tp_size = tp_size
+        self.failed = failed
+        self.max_queued_bytes = store.config.writer_queue_bytes
+        """Page copies waiting beyond this are dropped, not queued: memory stays bounded when
+        saving falls behind (a dropped block is a later miss)."""
         self._queue: queue.Queue[tuple[SaveSpec, list[torch.Tensor], PageFormat] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending: set[bytes] = set()
+        self._queued_bytes = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstrata-vllm-saver", daemon=True)
         self._thread.start()
-        self._closed = False
+        to_background(self._thread)
 
-    def submit(self, spec: SaveSpec, pages: list[torch.Tensor], fmt: PageFormat) -> None:
+    def submit(self, spec: SaveSpec, pages: list[torch.Tensor], fmt: PageFormat) -> bool:
+        """Queue a save; False (dropped, its keys reported as failed) when the queue is full."""
+        size = sum(p.numel() * p.element_size() for p in pages)
         with self._lock:
-            self._pending.update(spec.keys)
+            if self._queued_bytes and self._queued_bytes + size > self.max_queued_bytes:
+                dropped = True
+            else:
+                dropped = False
+                self._queued_bytes += size
+                self._pending.update(spec.keys)
+        if dropped:
+            self.failed.add(spec.keys)
+            EVENTS.emit("save_skipped", blocks=len(spec.keys), req_id=spec.req_id, rank=self.rank)
+            return False
         self._queue.put((spec, pages, fmt))
+        return True
 
     def flush(self, keys: Iterable[bytes] | None = None) -> None:
-        """Wait until queued saves are in the store; with ``keys``, only if one of them is queued."""
+        """Wait until queued saves are in the store; with ``keys`` (base keys), only if one of them
+        is queued."""
         if self._closed:
             return
         if keys is not None:
@@ -82,12 +135,14 @@ class BlockSaver:
                     return
                 try:
                     self._save(*item)
+                except Exception:
+                    EVENTS.emit("save_error", blocks=len(item[0].keys), req_id=item[0].req_id)
+                    self.failed.add(item[0].keys)
+                    log.exception("kvstrata: saving blocks failed (they will be recomputed when needed)")
                 finally:
                     with self._lock:
                         self._pending.difference_update(item[0].keys)
-            except Exception:
-                EVENTS.save_errors += 1
-                log.exception("kvstrata: saving blocks failed (they will be recomputed when needed)")
+                        self._queued_bytes -= sum(p.numel() * p.element_size() for p in item[1])
             finally:
                 self._queue.task_done()
 
@@ -101,25 +156,106 @@ class BlockSaver:
             fmt.read_pages_into(layer_pages, blocks[:, :, layer_idx])
         priority = Priority.parse(spec.priority)
         for j, key in enumerate(spec.keys):
-            tensor = blocks[j]  # contiguous
-            block = KVBlock(
-                BlockKey(key), layout.block_tokens, spec.start_positions[j], tensor, namespace=spec.namespace
-            )
+            shard = rank_key(key, self.rank, self.tp_size)
+            start = spec.start_positions[j]
+            block = KVBlock(shard, layout.block_tokens, start, blocks[j], namespace=spec.namespace)
             self.store.put_block(block, priority=priority, namespace=spec.namespace)
-            EVENTS.blocks_saved += 1
+        EVENTS.emit("save", blocks=n, req_id=spec.req_id, rank=self.rank)
+
+
+class FailedKeys:
+    """Base keys whose save or load failed here, reported to the scheduler side once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: set[bytes] = set()
+
+    def add(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._keys.update(keys)
+
+    def take(self) -> set[bytes]:
+        with self._lock:
+            keys, self._keys = self._keys, set()
+        return keys
+
+
+class BlockLoader:
+    """Runs asynchronous loads in a background thread, in the order they were sent."""
+
+    def __init__(self, load: Any) -> None:
+        self._load = load
+        self._queue: queue.Queue[LoadSpec | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: list[tuple[str, list[int]]] = []
+        self._closed = False
+        self.thread = threading.Thread(target=self._run, name="kvstrata-vllm-loader", daemon=True)
+        self.thread.start()
+
+    def submit(self, spec: LoadSpec) -> None:
+        self._queue.put(spec)
+
+    def take_done(self) -> list[tuple[str, list[int]]]:
+        """The requests whose load finished since the last call, with the pages that failed."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._queue.put(None)
+        self.thread.join()
+        self._closed = True
+
+    def _run(self) -> None:
+        while True:
+            spec = self._queue.get()
+            if spec is None:
+                return
+            failed = self._load(spec)
+            with self._lock:
+                self._done.append((spec.req_id, failed))
 
 
 class WorkerSide:
-    def __init__(self, store: KVStore, vllm_config: Any, saver: BlockSaver) -> None:
+    def __init__(self, store: KVStore, vllm_config: Any, rank: int = 0, tp_size: int = 1) -> None:
         self.store = store
         self.layout = store.layout
         self.vllm_config = vllm_config
-        self.saver = saver
+        self.rank = rank
+        self.tp_size = tp_size
+        self.failed_keys = FailedKeys()
+        self.saver = BlockSaver(store, rank, tp_size, self.failed_keys)
+        self.loader = BlockLoader(self._load)
         self.layers: list[tuple[str, torch.Tensor]] = []
         self._layer_pos: dict[str, int] = {}
         self._format: PageFormat | None = None
+        self._format_lock = threading.Lock()
         self._copies: dict[int, list[torch.Tensor | None]] = {}
-        self._failed: set[int] = set()
+        self._failed_pages: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self._unsaved_requests: set[str] = set()
+        self._lowered: set[int] = set()
+        self._lower_store_threads()
+
+    def _lower_store_threads(self) -> None:
+        """The store's background threads in this process (its L3 and L4 writers, demoter,
+        re-encoder) run at ``BACKGROUND_NICE`` too; the loader does not (a request waits on it)."""
+        for thread in threading.enumerate():
+            ident = thread.native_id
+            if (
+                ident is not None
+                and ident not in self._lowered
+                and thread.name.startswith("kvstrata-")
+                and thread is not self.loader.thread
+                and to_background(thread)
+            ):
+                self._lowered.add(ident)
+
+    def close(self) -> None:
+        self.loader.close()
+        self.saver.close()
 
     # -- setup -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -141,58 +277,103 @@ class WorkerSide:
 
     def page_format(self) -> PageFormat:
         """How K and V lie in a page, learned once from the attention backend (see PageFormat)."""
-        if self._format is None:
-            name, cache = self.layers[0]
-            layer = None
-            try:
-                context = self.vllm_config.compilation_config.static_forward_context
-                layer = context.get(name)
-            except AttributeError:
-                pass
-            fmt = (
-                PageFormat.probe(layer, cache, self.layout.head_dim, self.layout.block_tokens)
-                if layer
-                else None
-            )
-            if fmt is None:
-                fmt = PageFormat.dense(tuple(cache.shape[1:]), self.layout.head_dim)  # type: ignore[arg-type]
-            log.info("kvstrata: KV page format %s, page shape %s", fmt.source, fmt.page_shape)
-            EVENTS.page_format = fmt.source
-            self._format = fmt
-        return self._format
+        with self._format_lock:
+            if self._format is None:
+                self._format = self._probe_format()
+            return self._format
+
+    def _probe_format(self) -> PageFormat:
+        name, cache = self.layers[0]
+        layer = None
+        try:
+            context = self.vllm_config.compilation_config.static_forward_context
+            layer = context.get(name)
+        except AttributeError:
+            pass
+        fmt = None
+        if layer is not None:
+            fmt = PageFormat.probe(layer, cache, self.layout.head_dim, self.layout.block_tokens)
+        if fmt is None:
+            fmt = PageFormat.dense(tuple(cache.shape[1:]), self.layout.head_dim)  # type: ignore[arg-type]
+        log.info("kvstrata: KV page format %s, page shape %s", fmt.source, fmt.page_shape)
+        EVENTS.page_format = fmt.source
+        return fmt
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVStrataConnectorMetadata) -> None:
-        if not meta.loads:
-            return
-        fmt = self.page_format()
-        bt = self.layout.block_tokens
         for spec in meta.loads:
-            try:
-                n = len(spec.page_ids)
-                kv = spec.kv
-                for layer_idx, (_, cache) in enumerate(self.layers):
-                    ids = torch.tensor(spec.page_ids, dtype=torch.long, device=cache.device)
-                    # (2, H, n*bt, D) -> (n, 2, H, bt, D)
-                    per_layer = (
-                        kv[:, layer_idx].reshape(2, kv.shape[2], n, bt, kv.shape[4]).permute(2, 0, 1, 3, 4)
-                    )
-                    per_layer = per_layer.to(cache.device)
-                    if all(fmt.write_page(cache[pid], per_layer[j]) for j, pid in enumerate(spec.page_ids)):
-                        continue  # written in place, page by page
-                    pages = cache[ids].contiguous()  # keeps any page padding as it is
-                    fmt.blocks_to_pages(per_layer, pages)
-                    cache[ids] = pages
-                EVENTS.blocks_loaded += n
-            except Exception:
-                EVENTS.load_errors += 1
-                self._failed.update(spec.page_ids)
-                log.exception(
-                    "kvstrata: loading %d blocks of %s failed; vLLM recomputes them", n, spec.req_id
-                )
+            if spec.is_async:
+                self.loader.submit(spec)
+            else:
+                failed = self._load(spec)
+                if failed:
+                    # this step computes the rest of the prompt on top of a page that was not
+                    # written: none of the request's blocks of this step may be saved
+                    self._unsaved_requests.add(spec.req_id)
+                    with self._failed_lock:
+                        self._failed_pages.update(failed)
 
-    def take_failed(self) -> set[int]:
-        failed, self._failed = self._failed, set()
+    def _load(self, spec: LoadSpec) -> list[int]:
+        """Write the blocks of ``spec`` into its pages; the pages that were not written."""
+        priority = Priority.parse(spec.priority)
+        for i, key in enumerate(spec.keys):
+            shard = rank_key(key, self.rank, self.tp_size)
+            try:
+                self.saver.flush([key])  # this worker may still be saving it
+                found = self.store.lookup(shard, priority=priority)
+                if found is None:
+                    raise LookupError("not in the store, or it failed verification (the store logs why)")
+                block, _ = found
+                self._write(spec.page_ids[i], block.decoded(self.layout))
+            except Exception as exc:
+                failed = spec.page_ids[i:]
+                self.failed_keys.add(spec.keys[i:])
+                EVENTS.emit(
+                    "load_error",
+                    blocks=len(failed),
+                    req_id=spec.req_id,
+                    rank=self.rank,
+                    key=shard.hex(),
+                    error=str(exc),
+                )
+                log.warning(
+                    "kvstrata: block %s of %s could not be loaded (%s); vLLM recomputes its %d "
+                    "page(s) from there",
+                    shard.hex()[:16],
+                    spec.req_id,
+                    exc,
+                    len(failed),
+                )
+                if i:
+                    EVENTS.emit("load", blocks=i, req_id=spec.req_id, rank=self.rank, is_async=spec.is_async)
+                return failed
+        EVENTS.emit("load", blocks=len(spec.keys), req_id=spec.req_id, rank=self.rank, is_async=spec.is_async)
+        return []
+
+    def _write(self, page_id: int, block: torch.Tensor) -> None:
+        """One ``(2, L, H, N, D)`` block into page ``page_id`` of every layer."""
+        fmt = self.page_format()
+        for layer_idx, (_, cache) in enumerate(self.layers):
+            data = block[:, layer_idx].to(cache.device)
+            if fmt.write_page(cache[page_id], data):
+                continue  # written in place
+            ids = torch.tensor([page_id], dtype=torch.long, device=cache.device)
+            pages = cache[ids].contiguous()  # keeps any page padding as it is
+            fmt.blocks_to_pages(data.unsqueeze(0), pages)
+            cache[ids] = pages
+
+    def get_finished(self) -> set[str]:
+        """Requests whose asynchronous load is done; their failed pages are reported by the next
+        :meth:`take_failed_pages` (vLLM asks for both in the same pass, finished first)."""
+        done = self.loader.take_done()
+        with self._failed_lock:
+            for _, failed in done:
+                self._failed_pages.update(failed)
+        return {req_id for req_id, _ in done}
+
+    def take_failed_pages(self) -> set[int]:
+        with self._failed_lock:
+            failed, self._failed_pages = self._failed_pages, set()
         return failed
 
     # -- saves -----------------------------------------------------------------------------------
@@ -209,11 +390,16 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVStrataConnectorMetadata) -> None:
         copies, self._copies = self._copies, {}
+        unsaved, self._unsaved_requests = self._unsaved_requests, set()
         if not meta.saves:
             return
         fmt = self.page_format()
+        self._lower_store_threads()  # a writer the store started since (L4's, lazily)
         for i, spec in enumerate(meta.saves):
             layer_pages = copies.get(i)
-            if layer_pages is None or any(p is None for p in layer_pages):
-                continue  # a layer was not saved this step (no attention metadata): skip, never half-store
+            if spec.req_id in unsaved or layer_pages is None or any(p is None for p in layer_pages):
+                # computed over a page that failed to load, or a layer was not saved this step:
+                # never store it; the scheduler side plans the save again after the recompute
+                self.failed_keys.add(spec.keys)
+                continue
             self.saver.submit(spec, [p for p in layer_pages if p is not None], fmt)
