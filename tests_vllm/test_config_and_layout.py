@@ -56,6 +56,19 @@ def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
     assert cfg.save_decode_blocks is False
 
 
+def test_namespace_quotas_reach_the_store_config(tmp_path: Path) -> None:
+    from kvstrata.config import NamespaceQuota
+
+    config = ConnectorConfig.from_extra_config(
+        {"store_dir": str(tmp_path), "namespace_quotas": {"salt-a": {"l1_bytes": "1MiB", "l3_bytes": 4096}}}
+    )
+    assert config.store.namespace_quotas == {"salt-a": NamespaceQuota(l1_bytes=1 << 20, l3_bytes=4096)}
+    with pytest.raises(ConfigError, match="unknown quota keys"):
+        ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "namespace_quotas": {"a": {"l9": 1}}})
+    with pytest.raises(ConfigError, match="namespace_quotas must be"):
+        ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "namespace_quotas": ["a"]})
+
+
 def test_defaults_are_exact_and_local(tmp_path: Path) -> None:
     cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
     assert cfg.priority is Priority.REALTIME  # exact KV everywhere: a hit gives a recompute's tokens

@@ -17,13 +17,19 @@ This module does not import vLLM; it can be used (and tested) without it.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import StoreConfig, WritePolicy, default_store_dir, encryption_key_from_env
+from kvstrata.config import (
+    NamespaceQuota,
+    StoreConfig,
+    WritePolicy,
+    default_store_dir,
+    encryption_key_from_env,
+    parse_size,
+)
 from kvstrata.errors import ConfigError
 from kvstrata.layout import KVLayout
 from kvstrata.policy.ladder import CodecLadder, Rung
@@ -35,38 +41,13 @@ DEFAULT_PRIORITY = Priority.REALTIME
 """Exact KV in every tier unless configured otherwise: a vLLM user expects a cache hit to give the
 same tokens as a recompute. Lower classes trade accuracy for space (see ``ladder``)."""
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1000**4,
-    "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: Any, name: str) -> int:
-    """Bytes from an int or a string such as ``"512MiB"`` (K/M/G/T are binary, KB/MB/GB decimal)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match is not None and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ConfigError(f"{name} must be a size in bytes (an integer or e.g. '512MiB'), got {value!r}")
+def _quotas(value: Any) -> dict[str, NamespaceQuota]:
+    """``{"tenant": {"l1_bytes": .., "l2_bytes": .., "l3_bytes": ..}}`` (a cache_salt is a tenant)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(q, Mapping) for q in value.values()):
+        raise ConfigError(f"namespace_quotas must be an object of namespace -> quota, got {value!r}")
+    return {str(ns): NamespaceQuota.from_mapping(q, f"namespace_quotas.{ns}") for ns, q in value.items()}
 
 
 def _optional_float(value: Any, name: str) -> float | None:
@@ -212,6 +193,7 @@ class ConnectorConfig:
             ladder=parse_ladder(data.get("ladder")),
             encryption_key=encryption_key,
             remote=remote,
+            namespace_quotas=_quotas(data.get("namespace_quotas")),
         )
 
         namespace = str(data.get("namespace", DEFAULT_NAMESPACE))
@@ -271,4 +253,5 @@ _KEYS = (
     "load_async",
     "on_load_error",
     "event_log",
+    "namespace_quotas",
 )
