@@ -151,7 +151,7 @@ def test_kill9_during_eviction_leaves_no_dangling_row_and_gc_no_orphan(tmp_path:
                 n = loaded.num_tokens
                 if n:
                     assert torch.equal(loaded.kv, token_kv(LAYOUT, store.session(info.id).token_ids[:n]))  # type: ignore[arg-type]
-            collect_garbage(store, GcConfig(grace_s=0.0))
+            collect_garbage(store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
             indexed = {(r.key, r.file_id, r.cold) for r in store.disk.rows()}
             on_disk = {(*parse_file_name(p.name), cold) for p, cold in store.disk.iter_files()}  # type: ignore[misc]
             assert on_disk == indexed, f"trial {trial}"

@@ -38,11 +38,15 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
     orphan = root / "hot" / "zz" / ("ab" * 32 + ".kvbin")
     orphan.write_bytes(b"never committed")
 
-    report = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3600)
-    assert report.sessions_deleted == 1  # "ttl" idle for an hour > 60 s; "pinned" survives its TTL
+    kept = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3600)
+    assert kept.blocks_deleted == 0  # unreferenced, but used within the day: a cache's blocks stay
+    config = GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY, unreferenced_after_s=1800)
+    report = collect_garbage(store, config, now=now + 3600)
+    # "ttl" idle for an hour > 60 s; "pinned" survives its TTL
+    assert kept.sessions_deleted == 1 and report.sessions_deleted == 0
     assert [s.id for s in store.list_sessions()] == ["keep", "pinned"]
     assert report.blocks_deleted == 1 + 2  # the stray block, and the expired session's two blocks
-    assert report.orphan_files_removed == 1 and not orphan.exists()
+    assert kept.orphan_files_removed == 1 and not orphan.exists()
     assert report.blocks_moved_cold == 0
 
     report = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3 * DAY)

@@ -154,7 +154,7 @@ def test_many_writers_with_kill9_and_gc_beside_them_lose_nothing_checkpointed(tm
         with _store(root) as gc_store:
             while not stop_gc.is_set():
                 try:
-                    collect_garbage(gc_store, GcConfig(grace_s=0.0))
+                    collect_garbage(gc_store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
                 except BaseException as exc:
                     gc_errors.append(exc)
                     return
@@ -193,7 +193,7 @@ def test_many_writers_with_kill9_and_gc_beside_them_lose_nothing_checkpointed(tm
     assert len(checkpointed) > 4 * 5
 
     with _store(root) as store:
-        report = collect_garbage(store, GcConfig(grace_s=0.0))
+        report = collect_garbage(store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
         assert report.sessions_deleted == 0
         for sid, tokens in checkpointed.items():
             session = store.session(sid)

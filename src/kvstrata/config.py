@@ -183,10 +183,14 @@ class StoreConfig:
 class GcConfig:
     cold_after_s: float = 7 * DAY_S
     retention_s: float = 30 * DAY_S
+    unreferenced_after_s: float = DAY_S
+    """Blocks no session names (a deleted session's, or a vLLM connector's prefix cache, whose
+    blocks belong to no session) are deleted once neither written nor read for this long; a
+    bounded L3 evicts them sooner when it needs the room."""
     grace_s: float = 600.0
-    """Unreferenced blocks and unindexed files younger than this are left alone: another process
-    sharing the store may be about to commit a session that names them."""
+    """Unindexed files younger than this are left alone (another process sharing the store may be
+    between writing one and committing its row); no unreferenced block younger than this goes."""
 
     def __post_init__(self) -> None:
-        if self.cold_after_s < 0 or self.retention_s < 0 or self.grace_s < 0:
+        if self.cold_after_s < 0 or self.retention_s < 0 or self.grace_s < 0 or self.unreferenced_after_s < 0:
             raise ConfigError("gc ages must be >= 0")

@@ -134,12 +134,17 @@ def gc(
     layout: LayoutOption = None,
     cold_after_days: Annotated[float, typer.Option(help="Move blocks idle this long to cold/.")] = 7.0,
     retention_days: Annotated[float, typer.Option(help="Delete unpinned sessions idle this long.")] = 30.0,
+    unreferenced_hours: Annotated[
+        float,
+        typer.Option(help="Delete blocks no session names (a vLLM connector's cache) idle this long."),
+    ] = 24.0,
     json_out: JsonOption = False,
 ) -> None:
     """Age blocks to cold/, expire sessions (TTL, retention), delete unreferenced blocks."""
     kv = open_store(one_store(store, layout).path)
     try:
-        report = collect_garbage(kv, GcConfig(cold_after_days * DAY_S, retention_days * DAY_S))
+        config = GcConfig(cold_after_days * DAY_S, retention_days * DAY_S, unreferenced_hours * 3600.0)
+        report = collect_garbage(kv, config)
     except KVStrataError as exc:
         fail(str(exc))
     finally:

@@ -41,6 +41,7 @@ DEFAULT_PRIORITY = Priority.REALTIME
 """Exact KV in every tier unless configured otherwise: a vLLM user expects a cache hit to give the
 same tokens as a recompute. Lower classes trade accuracy for space (see ``ladder``)."""
 
+
 def _quotas(value: Any) -> dict[str, NamespaceQuota]:
     """``{"tenant": {"l1_bytes": .., "l2_bytes": .., "l3_bytes": ..}}`` (a cache_salt is a tenant)."""
     if value is None:

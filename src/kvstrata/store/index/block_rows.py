@@ -15,6 +15,7 @@ in a crash costs only eviction precision.
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -44,6 +45,7 @@ CREATE TABLE IF NOT EXISTS block_usage (
     bytes INTEGER NOT NULL
 ) WITHOUT ROWID;
 """
+_ACCESS_FLUSH_S = 60.0
 UNKNOWN_NAMESPACE = ""
 """Where blocks written before namespaces were recorded are counted."""
 
@@ -104,6 +106,7 @@ class BlockTable:
     def __init__(self, db: IndexDB) -> None:
         self.db = db
         self._pending_access: dict[BlockKey, tuple[float, int]] = {}
+        self._flushed_at = time.time()
         self._migrated = "file_id" in db.columns("blocks")
 
     def migrate(self) -> None:
@@ -239,6 +242,11 @@ class BlockTable:
     def note_access(self, key: BlockKey, when: float) -> None:
         _, count = self._pending_access.get(key, (when, 0))
         self._pending_access[key] = (when, count + 1)
+        # a long-running process (a server, a vLLM worker) writes its access times now and then,
+        # so that gc and eviction in other processes see which blocks are in use
+        if when - self._flushed_at > _ACCESS_FLUSH_S and not self.db.read_only:
+            self._flushed_at = when
+            self.flush_access()
 
     def flush_access(self) -> None:
         if not self._pending_access or self.db.read_only:
