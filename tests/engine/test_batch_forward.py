@@ -9,7 +9,7 @@ import torch
 from batch_reference import prefix_kv, solo_forward, solo_greedy
 
 from kvstrata import ConfigError
-from kvstrata.engine.batch import BatchedForward, BatchRow, Segment
+from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterrupted
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import tiny_llama
@@ -215,3 +215,36 @@ def test_bad_steps_are_refused_with_clear_errors(model: torch.nn.Module) -> None
     flash.config._attn_implementation_internal = "flex_attention"
     with pytest.raises(ConfigError, match="eager or sdpa"):
         BatchedForward(flash)
+
+
+def test_an_interrupted_step_is_undone_and_asked_only_in_the_first_half_of_the_layers() -> None:
+    model = tiny_llama(8, num_layers=4)
+    bf = BatchedForward(model, attention="sdpa")
+    assert bf.base_attention == "sdpa" and model.config._attn_implementation == "eager"
+    rows = [BatchRow(restored(model, ids(28, 12))), BatchRow.empty(model)]
+    asked: list[int] = []
+
+    def interrupt() -> bool:
+        asked.append(len(asked))
+        return len(asked) == 2  # give up at the second layer
+
+    with pytest.raises(StepInterrupted):
+        bf.forward([Segment(rows[0], [3]), Segment(rows[1], [5, 6, 7])], interrupt)
+    assert [r.length for r in rows] == [12, 0]  # every append undone
+    assert all(layer.get_seq_length() == 12 for layer in rows[0].cache.layers)
+    assert model.config._attn_implementation == "eager"
+    asked.clear()
+
+    def never() -> bool:
+        asked.append(0)
+        return False
+
+    got = bf.forward([Segment(rows[0], [3])], never)
+    assert len(asked) == 2  # of 4 layers: past the half, finishing costs less than starting over
+    assert got[0] is not None
+    solo = restored(model, ids(28, 12))
+    model.set_attn_implementation("sdpa")
+    try:
+        torch.testing.assert_close(got[0], solo_forward(model, solo, [3]), atol=ATOL, rtol=0)
+    finally:
+        model.set_attn_implementation("eager")

@@ -47,6 +47,15 @@ def serve(
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", min=1, help="Longest prompt accepted.")
     ] = 32768,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            "--max-batch",
+            min=1,
+            help="Most requests decoded together in one forward pass (continuous batching); 1 turns "
+            "batching off.",
+        ),
+    ] = 16,  # the engine's DEFAULT_MAX_BATCH (not imported: the CLI starts without torch)
     background_memory: Annotated[
         str | None,
         typer.Option(
@@ -90,6 +99,7 @@ def serve(
         engine = Engine(
             loaded,
             kv,
+            max_batch=max_batch,
             memory_modes=modes,
             track_importance=any(m.kind is MemoryModeKind.IMPORTANCE for m in modes.values()),
         )
