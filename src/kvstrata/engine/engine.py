@@ -288,14 +288,25 @@ class Engine:
         ready = self._admission.enter(inflight)  # QueueFullError
         self._inflight[inflight.request_id] = inflight
         if ready:
-            self._stepper.submit(inflight)
+            self._to_batch(inflight)
         return inflight
+
+    def _to_batch(self, inflight: InFlight) -> None:
+        """Hand ``inflight`` to the step thread. A realtime request's restore starts at once (the
+        step scheduler admits it whatever the load): it need not wait for the running step to
+        end to be asked for; once its row is ready, that step is given up for it."""
+        if inflight.request.priority is Priority.REALTIME:
+            self._start_open(inflight)
+        self._stepper.submit(inflight)
+
+    def _start_open(self, inflight: InFlight) -> None:
+        inflight.state = RowState.OPENING
+        self._worker.submit(_OPEN_RANK[inflight.request.priority], lambda: self._open(inflight))  # type: ignore[index]
 
     def _take_row(self, inflight: InFlight) -> tuple[BatchRow, list[int]] | None:
         """The step thread admits the request: its row once restored (None until then)."""
         if inflight.state is RowState.NEW:
-            inflight.state = RowState.OPENING
-            self._worker.submit(_OPEN_RANK[inflight.request.priority], lambda: self._open(inflight))  # type: ignore[index]
+            self._start_open(inflight)
             return None
         if inflight.state is not RowState.READY:
             return None
@@ -363,7 +374,7 @@ class Engine:
         following = self._admission.leave(inflight)
         inflight.resolve(response, failure)
         if following is not None:
-            self._stepper.submit(following)
+            self._to_batch(following)
 
     # -- the batch -------------------------------------------------------------------------------
     def add_step_listener(self, listener: Callable[[StepReport], None], *, logits: bool = False) -> None:

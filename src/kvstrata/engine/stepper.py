@@ -9,9 +9,8 @@ that reports a stop (a stop string, a grammar that is complete) ends its request
 the step. Finished requests go to ``on_finished`` (the engine commits them on its store worker).
 
 While a step of lower-class rows runs, a realtime request whose row became ready gives that
-step up (:class:`StepInterrupted`, in the first half of the layers only), so its prefill runs
-at once instead of after a whole step of other sessions; the rows lose nothing but that step's
-time.
+step up (:class:`StepInterrupted`, at the next layer), so its prefill runs at once instead of
+after a whole step of other sessions; the rows lose nothing but that step's time.
 
 The thread starts with the first request and ends when the batch is empty.
 """

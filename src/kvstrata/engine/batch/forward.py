@@ -145,8 +145,6 @@ class _Step:
     rows: list[BatchRow]
     bounds: list[tuple[int, int]]
     base_attention: str
-    interrupt_before: int
-    """Layers below this index may give the step up (see :meth:`BatchedForward.forward`)."""
     interrupt: Callable[[], bool] | None = None
     masks: list[torch.Tensor | None] = field(default_factory=list)
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
@@ -190,7 +188,7 @@ def _batched_attention(
         raise ConfigError(f"the {ATTENTION_NAME!r} attention runs only inside BatchedForward.forward")
     base = ALL_ATTENTION_FUNCTIONS.get_interface(step.base_attention, eager_attention_forward)
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
-    if step.interrupt is not None and layer_idx < step.interrupt_before and step.interrupt():
+    if step.interrupt is not None and step.interrupt():
         raise StepInterrupted(f"the step was given up at layer {layer_idx}")
     outputs = []
     views = step.views[layer_idx]
@@ -269,14 +267,14 @@ class BatchedForward:
         """Run one step; returns, per segment, the float32 logits after its last token (None for
         a segment that asked for none). On an error every row is left as it was before the step.
 
-        ``interrupt`` is asked before each of the first half of the layers whether to give the
-        step up (raising :class:`StepInterrupted`): a realtime request that became ready while a
-        long step of other rows runs need not wait for its end. Past half of the layers, finishing
-        the step costs less than what giving it up would throw away."""
+        ``interrupt`` is asked before each layer's attention whether to give the step up (raising
+        :class:`StepInterrupted`): a realtime request that became ready while a long step of
+        other rows runs then waits for one layer, not for the rest of the step. What was computed
+        of the step is thrown away: at most one step per realtime arrival."""
         rows, bounds, ids, positions, keep = self._pack(segments)
         if not rows:
             return []
-        step = _Step(rows, bounds, self.base_attention, self.num_layers // 2, interrupt)
+        step = _Step(rows, bounds, self.base_attention, interrupt)
         dtype = self.model.dtype
         for row, (start, stop) in zip(rows, bounds, strict=True):
             n_total = row.length + stop - start
