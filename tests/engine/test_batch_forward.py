@@ -13,6 +13,7 @@ from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterru
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import tiny_llama
+from kvstrata.integrations.transformers.packed_linear import bf16_packing_available, pack_linears
 
 ATOL = 1e-4
 
@@ -248,3 +249,20 @@ def test_an_interrupted_step_is_undone_and_asked_before_every_layer() -> None:
         torch.testing.assert_close(got[0], solo_forward(model, solo, [3]), atol=ATOL, rtol=0)
     finally:
         model.set_attn_implementation("eager")
+
+
+@pytest.mark.skipif(not bf16_packing_available(), reason="oneDNN without bf16 on this CPU")
+def test_packed_bf16_linears_give_the_same_logits_bit_for_bit() -> None:
+    model = tiny_llama(9, num_layers=2).to(torch.bfloat16)
+    history, prompt = ids(29, 30), ids(30, 5)
+    bf = BatchedForward(model)
+    rows = [BatchRow(restored(model, history)), BatchRow.empty(model)]
+    before = bf.forward([Segment(rows[0], prompt), Segment(rows[1], prompt)])
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert pack_linears(model) == linears and pack_linears(model) == 0  # once
+    rows = [BatchRow(restored(model, history)), BatchRow.empty(model)]
+    after = bf.forward([Segment(rows[0], prompt), Segment(rows[1], prompt)])
+    for a, b in zip(before, after, strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert pack_linears(tiny_llama(9, num_layers=2)) == 0  # fp32 weights: left as they are

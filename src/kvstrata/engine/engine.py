@@ -41,6 +41,7 @@ from kvstrata.engine.stepper import Stepper, StepReport
 from kvstrata.engine.worker import PriorityWorker
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
+from kvstrata.integrations.transformers.packed_linear import pack_linears
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 from kvstrata.priority import Priority
 from kvstrata.store import DEFAULT_NAMESPACE, KVStore
@@ -99,6 +100,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         budget: StepBudget | None = None,
         attention: str = "sdpa",
+        pack_weights: bool = True,
     ) -> None:
         """``l1_resident_sessions``: how many sessions' KV may stay decoded in device memory
         between their requests; the least recently served beyond that are demoted to L2.
@@ -109,7 +111,9 @@ class Engine:
         ``max_batch``: the most requests in one forward pass (1 turns batching off); ``budget``
         sets every knob of the step scheduler instead (:class:`StepBudget`).
         ``queue_limit``: the most requests waiting (not yet in a row); more get QueueFullError.
-        ``attention``: the per-row attention of the batched forward pass, ``sdpa`` or ``eager``."""
+        ``attention``: the per-row attention of the batched forward pass, ``sdpa`` or ``eager``.
+        ``pack_weights``: pack the model's bf16 linear weights for oneDNN once (same results,
+        faster small-batch steps on the CPU; :mod:`kvstrata.integrations.transformers.packed_linear`)."""
         modes = {Priority.parse(p): mode for p, mode in (memory_modes or {}).items()}
         for mode in modes.values():
             mode.budget_blocks(store.layout.block_tokens)  # raises on a budget too small
@@ -122,6 +126,8 @@ class Engine:
             raise ConfigError("the store was opened with another model fingerprint than the model's")
         self.model = model
         self.store = store
+        if pack_weights:
+            pack_linears(model.model)
         self.memory_modes = modes
         self.queue_limit = queue_limit
         self.budget = budget or batch_budget(max_batch)
