@@ -51,8 +51,9 @@ __all__ = ["BatchStats", "Engine", "GenerationRequest", "Response", "ResponseStr
 StreamCallback = Callable[[str], None]
 
 # the store worker's order: a realtime request's restore first (its time to first token), then
-# commits (they resolve requests and free their sessions), then the other restores by class
-_OPEN_RANK = {Priority.REALTIME: 0, Priority.INTERACTIVE: 2, Priority.BACKGROUND: 3}
+# commits (they resolve requests and free their sessions) and interactive restores in arrival
+# order (neither waits behind a stream of the other), then background restores
+_OPEN_RANK = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
 _COMMIT_RANK = 1
 
 DEFAULT_MAX_BATCH = 16
@@ -62,11 +63,14 @@ def batch_budget(max_batch: int = DEFAULT_MAX_BATCH) -> StepBudget:
     """The step budget of ``max_batch`` rows per step (1: no batching, one row per step)."""
     if max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+    # While a realtime request decodes, two other rows share its steps: on a CPU a step's cost
+    # grows with its rows (in fp32 more than in bf16), and its inter-token latency should stay
+    # within 1.5x of the idle engine's (docs/benchmarks.md, "Continuous batching").
     return StepBudget(
         max_sequences=max_batch,
         max_live=max(64, 2 * max_batch),
         starvation_slots=min(1, max_batch - 1),
-        realtime_max_sequences=min(4, max_batch),
+        realtime_max_sequences=min(2, max_batch),
     )
 
 

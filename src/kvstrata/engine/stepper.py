@@ -106,6 +106,23 @@ class Stepper:
 
     # -- the step thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here: fail what is in the batch rather than hang it
+            log.exception("the step thread failed")
+            for inflight in list(self._live.values()):
+                inflight.failure = inflight.failure or exc
+                self.loop.finish(inflight.request_id, "error")
+                self._done(inflight, "error")
+            with self._cond:
+                self._thread = None
+                if self._inbox:  # requests posted meanwhile get a fresh thread
+                    self._thread = threading.Thread(target=self._run, name="kvstrata-steps", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+            raise
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             waiting = False  # the last step ran nothing: every request waits for its row
             while True:
@@ -190,4 +207,7 @@ class Stepper:
 
     def _report(self, report: StepReport) -> None:
         for listener in self.listeners:
-            listener(report)
+            try:
+                listener(report)
+            except Exception:  # an observer's bug must not stop the batch
+                log.exception("a step listener failed")

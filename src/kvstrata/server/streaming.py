@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -182,7 +183,12 @@ async def stream_job(ctx: ServerContext, job: Job) -> Any:
     def emit(kind: str, value: Any) -> None:
         loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-    loop.run_in_executor(None, _generate_in_thread, ctx, job, emit, control)
+    # A thread of its own: it waits on the engine for the whole stream, and the event loop's
+    # default executor (a few threads per core) would hold concurrent streams back behind it.
+    worker = threading.Thread(
+        target=_generate_in_thread, args=(ctx, job, emit, control), name="kvstrata-stream", daemon=True
+    )
+    worker.start()
     kind, value = await events.get()
     if kind == "error":
         raise api_error(value)
