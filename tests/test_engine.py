@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvstrata import ConfigError, KVStore, StoreConfig
-from kvstrata.engine import Engine, GenerationRequest, QueueFullError, Response, Scheduler
-from kvstrata.engine.engine import _common_prefix
+from kvstrata.engine import Engine, GenerationRequest, QueueFullError, Response, StepReport
+from kvstrata.engine.prefix import common_prefix as _common_prefix
 from kvstrata.integrations.transformers.cache import cache_for
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
 from kvstrata.policy.ladder import CodecLadder
@@ -207,38 +207,39 @@ def test_complete_stream_and_sampling(tiny: LoadedModel, open_store: Opener) -> 
     assert a.token_ids == b.token_ids
 
 
-def test_scheduler_orders_by_class_and_bounds_the_queue() -> None:
-    gate = threading.Event()
-    ran: list[str] = []
+def test_requests_are_admitted_by_class_and_the_queue_is_bounded(
+    tiny: LoadedModel, open_store: Opener
+) -> None:
+    engine = Engine(tiny, open_store(), queue_limit=4, max_batch=1)
+    first_step: dict[str, int] = {}
+    steps = itertools.count()
 
-    def handler(request: GenerationRequest) -> str:
-        gate.wait(5)
-        ran.append(request.session_id)
-        return request.session_id
+    def listener(report: StepReport) -> None:
+        n = next(steps)
+        for request_id in report.plan.request_ids:
+            first_step.setdefault(request_id, n)
 
-    scheduler = Scheduler(handler, queue_limit=4)
+    engine.add_step_listener(listener)
     try:
-        first = scheduler.submit(GenerationRequest("first", prompt="x", priority="background"))
-        while scheduler.pending():  # the worker has taken "first" and waits on the gate
-            threading.Event().wait(0.01)
-        futures = [
-            scheduler.submit(GenerationRequest(name, prompt="x", priority=priority))
-            for name, priority in (
-                ("bg1", "background"),
-                ("int1", "interactive"),
-                ("rt", "realtime"),
-                ("int2", "interactive"),
-            )
-        ]
-        with pytest.raises(QueueFullError):
-            scheduler.submit(GenerationRequest("over", prompt="x"))
-        gate.set()
-        assert [f.result(5) for f in futures] == ["bg1", "int1", "rt", "int2"]
-        assert first.result(5) == "first"
-        assert ran == ["first", "rt", "int1", "int2", "bg1"]
+        # holding the store lock keeps every row from being restored: the requests wait
+        with engine.store_lock:
+            futures = {
+                name: engine.submit(
+                    GenerationRequest(name, prompt="Once upon a time", priority=cls, max_new_tokens=3)
+                )
+                for name, cls in (("bg", "background"), ("int", "interactive"), ("rt", "realtime"))
+            }
+            futures["bg2"] = engine.submit(GenerationRequest("bg", prompt="Once upon", max_new_tokens=3))
+            with pytest.raises(QueueFullError):
+                engine.submit(GenerationRequest("over", prompt="x"))
+        results = {name: future.result(60) for name, future in futures.items()}
+        order = sorted(results, key=lambda name: first_step[results[name].request_id])
+        # by class, one row per step; the second request of a session waits for the first
+        assert order == ["rt", "int", "bg", "bg2"]
+        assert all(r.completion_tokens == 3 for r in results.values())
+        assert results["bg2"].cached_tokens > 0  # it started from what "bg" committed
     finally:
-        gate.set()
-        scheduler.close()
+        engine.close()
 
 
 def test_engine_submit_runs_requests(tiny: LoadedModel, open_store: Opener) -> None:

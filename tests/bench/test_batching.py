@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import batching
+from kvstrata.bench import batching, batching_engine
 from kvstrata.cli.main import app
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama
@@ -33,6 +33,7 @@ def test_run_measures_the_same_decode_three_ways(tiny_model: Path, tmp_path: Pat
         dtypes=["fp32"],
         chunk=16,
         padded=True,
+        modes=["forward"],
         progress=False,
     )
     per = result.data["dtypes"]["fp32"]["sessions"]
@@ -55,10 +56,46 @@ def test_run_measures_the_same_decode_three_ways(tiny_model: Path, tmp_path: Pat
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_engine_and_priority_modes_run_the_whole_engine(tiny_model: Path, tmp_path: Path) -> None:
+    result = batching.run(
+        model=tiny_model,
+        sessions=[1, 3],
+        history=(8, 40),
+        steps=4,
+        dtypes=["fp32"],
+        modes=["engine", "priority"],
+        repeats=1,
+        progress=False,
+    )
+    per = result.data["dtypes"]["fp32"]
+    assert "sessions" not in per  # no forward mode
+    for key, entry in per["engine"].items():
+        assert entry["histories"] == batching.histories(int(key), 8, 40)
+        for variant in (batching_engine.BATCHED, batching_engine.SERIAL):
+            (run,) = entry["runs"][variant]
+            assert run["tokens"] == int(key) * 4  # every session decoded its steps
+            assert entry[variant]["tokens_per_s"] == pytest.approx(run["tokens_per_s"])
+        assert entry["speedup"] == pytest.approx(
+            entry[batching_engine.BATCHED]["tokens_per_s"] / entry[batching_engine.SERIAL]["tokens_per_s"]
+        )
+    priority = per["priority"]
+    assert priority["background"] == 16
+    (busy,) = priority["runs"]["loaded"]
+    # resumed (its history, or more: the shared block an earlier realtime turn wrote), then its question
+    assert busy["cached_tokens"] >= 40 and busy["cached_tokens"] + busy["prefill_tokens"] == 72
+    assert busy["bg_tokens_per_s_before"] > 0
+    assert priority["ttft_ratio"] == pytest.approx(
+        priority["loaded"]["ttft_s"] / priority["unloaded"]["ttft_s"]
+    )
+    titles = [table.title for table in result.tables]
+    assert titles[0].startswith("Engine, batched against batching off") and "realtime" in titles[1]
+
+
 def test_cli_json(tiny_model: Path, tmp_path: Path) -> None:
     plot = tmp_path / "bench-batching.png"
     args = ["bench", "batching", "--model", str(tiny_model), "--sessions", "2", "--history", "8:16"]
     args += ["--steps", "3", "--dtypes", "bf16", "--chunk", "8", "--json", "--plot", str(plot)]
+    args += ["--modes", "forward"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
@@ -76,6 +113,7 @@ def test_cli_json(tiny_model: Path, tmp_path: Path) -> None:
         ("--dtypes", "fp8"),
         ("--sessions", "0"),
         ("--history", "8:5000"),
+        ("--modes", "fast"),
     ],
 )
 def test_bad_options_fail_with_one_line(tiny_model: Path, option: str, value: str) -> None:

@@ -9,10 +9,11 @@ import torch
 from batch_reference import prefix_kv, solo_forward, solo_greedy
 
 from kvstrata import ConfigError
-from kvstrata.engine.batch import BatchedForward, BatchRow, Segment
+from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterrupted
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import tiny_llama
+from kvstrata.integrations.transformers.packed_linear import bf16_packing_available, pack_linears
 
 ATOL = 1e-4
 
@@ -215,3 +216,53 @@ def test_bad_steps_are_refused_with_clear_errors(model: torch.nn.Module) -> None
     flash.config._attn_implementation_internal = "flex_attention"
     with pytest.raises(ConfigError, match="eager or sdpa"):
         BatchedForward(flash)
+
+
+def test_an_interrupted_step_is_undone_and_asked_before_every_layer() -> None:
+    model = tiny_llama(8, num_layers=4)
+    bf = BatchedForward(model, attention="sdpa")
+    assert bf.base_attention == "sdpa" and model.config._attn_implementation == "eager"
+    rows = [BatchRow(restored(model, ids(28, 12))), BatchRow.empty(model)]
+    asked: list[int] = []
+
+    def interrupt() -> bool:
+        asked.append(len(asked))
+        return len(asked) == 2  # give up at the second layer
+
+    with pytest.raises(StepInterrupted):
+        bf.forward([Segment(rows[0], [3]), Segment(rows[1], [5, 6, 7])], interrupt)
+    assert [r.length for r in rows] == [12, 0]  # every append undone
+    assert all(layer.get_seq_length() == 12 for layer in rows[0].cache.layers)
+    assert model.config._attn_implementation == "eager"
+    asked.clear()
+
+    def never() -> bool:
+        asked.append(0)
+        return False
+
+    got = bf.forward([Segment(rows[0], [3])], never)
+    assert len(asked) == 4  # once per layer
+    assert got[0] is not None
+    solo = restored(model, ids(28, 12))
+    model.set_attn_implementation("sdpa")
+    try:
+        torch.testing.assert_close(got[0], solo_forward(model, solo, [3]), atol=ATOL, rtol=0)
+    finally:
+        model.set_attn_implementation("eager")
+
+
+@pytest.mark.skipif(not bf16_packing_available(), reason="oneDNN without bf16 on this CPU")
+def test_packed_bf16_linears_give_the_same_logits_bit_for_bit() -> None:
+    model = tiny_llama(9, num_layers=2).to(torch.bfloat16)
+    history, prompt = ids(29, 30), ids(30, 5)
+    bf = BatchedForward(model)
+    rows = [BatchRow(restored(model, history)), BatchRow.empty(model)]
+    before = bf.forward([Segment(rows[0], prompt), Segment(rows[1], prompt)])
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert pack_linears(model) == linears and pack_linears(model) == 0  # once
+    rows = [BatchRow(restored(model, history)), BatchRow.empty(model)]
+    after = bf.forward([Segment(rows[0], prompt), Segment(rows[1], prompt)])
+    for a, b in zip(before, after, strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert pack_linears(tiny_llama(9, num_layers=2)) == 0  # fp32 weights: left as they are

@@ -264,10 +264,10 @@ def test_a_realtime_arrival_gets_its_first_token_at_the_next_step(model: torch.n
     realtime = LoopRequest("rt", ids(50, 40), 3, priority="realtime")  # longer than prefill_chunk
     loop.submit(realtime)
     result = loop.step()
-    assert result.tokens[0][0] is realtime
-    assert len(result.plan.slots) == 2  # while it runs, one background row beside it
-    assert result.plan.paused == ("bg1", "bg2", "bg3")
-    loop.step()
+    assert [request for request, _ in result.tokens] == [realtime]  # its prefill, alone
+    assert result.plan.paused == ("bg0", "bg1", "bg2", "bg3")
+    result = loop.step()
+    assert len(result.plan.slots) == 2  # while it decodes, one background row beside it
     loop.step()
     assert realtime.finish_reason == "length" and len(realtime.generated) == 3
     result = loop.step()

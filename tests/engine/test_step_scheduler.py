@@ -35,7 +35,10 @@ def rows(plan: StepPlan) -> list[tuple[str, str, int]]:
 
 
 def test_classes_fill_a_step_in_order_and_decodes_go_before_prefills() -> None:
-    s = Sim(StepBudget(max_sequences=3, max_tokens=100, prefill_chunk=10, starvation_steps=50))
+    budget = StepBudget(
+        max_sequences=3, max_tokens=100, prefill_chunk=10, starvation_steps=50, realtime_prefill_alone=False
+    )
+    s = Sim(budget)
     s.add("bg", "background", 1)
     s.add("int", "interactive", 4)
     s.add("rt", "realtime", 30)
@@ -92,15 +95,17 @@ def test_a_realtime_arrival_prefills_at_the_next_step_and_background_is_paused_t
     s.add("rt", "realtime", 40)  # above max_live, and a prompt longer than prefill_chunk
     assert s.admissions() == ["rt"]
     plan = s.run_step()
-    # its whole prompt in the next step; while it is live, two other rows at most
-    assert rows(plan) == [("rt", "prefill", 40), ("bg0", "decode", 1), ("bg1", "decode", 1)]
-    assert plan.paused == ("bg2", "bg3")
-    assert rows(s.run_step()) == [("rt", "decode", 1), ("bg0", "decode", 1), ("bg1", "decode", 1)]
+    # its whole prompt in the next step, alone; then, while it is live, two other rows at most
+    assert rows(plan) == [("rt", "prefill", 40)]
+    assert plan.paused == ("bg0", "bg1", "bg2", "bg3")
+    plan = s.run_step()
+    assert rows(plan) == [("rt", "decode", 1), ("bg0", "decode", 1), ("bg1", "decode", 1)]
+    assert plan.paused == ()
     s.finish("rt")
     plan = s.run_step()
     assert rows(plan) == [(f"bg{i}", "decode", 1) for i in range(4)]  # resumed, KV kept
     assert plan.paused == ()
-    assert s.counts().preemptions == {Priority.REALTIME: 0, Priority.INTERACTIVE: 0, Priority.BACKGROUND: 2}
+    assert s.counts().preemptions == {Priority.REALTIME: 0, Priority.INTERACTIVE: 0, Priority.BACKGROUND: 4}
 
 
 def test_a_background_request_runs_at_least_once_every_n_steps_under_saturation() -> None:

@@ -1,7 +1,20 @@
 """``kvstrata bench batching``: aggregate decode throughput of continuous batching against serial
 single-sequence decoding, side by side in one run.
 
-For each weight dtype (``--dtypes``) and each session count N of ``--sessions``, N sessions hold
+Three modes (``--modes``), each for every weight dtype of ``--dtypes``:
+
+- ``forward``: the batched forward pass alone against one-sequence forwards (below);
+- ``engine``: the whole Engine, batched against batching off (``max_batch=1``), sessions resumed
+  from the store (:mod:`kvstrata.bench.batching_engine`; issue 16's targets: 4x at 8 sessions,
+  6x at 16);
+- ``priority``: a realtime request arriving while 16 background sessions decode, against the
+  same request on an idle engine (targets: TTFT at most 1.2x, ITL at most 1.5x).
+
+- ``serve`` (not run by default: it needs vLLM's environment, ``--vllm-python``): ``kvstrata
+  serve`` against vLLM's CPU build over HTTP, one load client for both
+  (:mod:`kvstrata.bench.serving`; target: at 8 sessions at least half of vLLM's tokens/s).
+
+Forward mode: for each weight dtype (``--dtypes``) and each session count N of ``--sessions``, N sessions hold
 histories of different lengths, spread evenly over ``--history MIN:MAX`` tokens (the KV of real
 public-domain text, prefilled once; each session starts from a prefix of it, as a restore from
 the store gives it). Each session feeds the next text token and then decodes greedily for
@@ -36,6 +49,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvstrata.bench import batching_engine, serving
 from kvstrata.bench.command import JsonOutOption, PlotOption, progress_bar
 from kvstrata.bench.measure import fmt_ms, frozen_heap, parse_int_list, percentile, rotate
 from kvstrata.bench.models import prompt_token_ids
@@ -48,6 +62,7 @@ if TYPE_CHECKING:
     from kvstrata.integrations.transformers.model import LoadedModel
 
 SUITE = "batching"
+PRIORITY_BACKGROUND = 16
 SERIAL, BATCHED, PADDED = "serial", "batched", "padded"
 TARGETS = {8: 4.0, 16: 6.0}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -70,6 +85,19 @@ AttnOption = Annotated[str, typer.Option("--attn", help="Attention implementatio
 ThreadsOption = Annotated[
     int, typer.Option("--threads", min=0, help="torch threads (0: torch's default, one per core).")
 ]
+ModesOption = Annotated[
+    str,
+    typer.Option("--modes", help="Comma-separated: forward, engine, priority, serve (see the module doc)."),
+]
+RepeatsOption = Annotated[
+    int, typer.Option("--repeats", min=1, help="Runs of each engine variant (engine and priority modes).")
+]
+VllmOption = Annotated[
+    Path,
+    typer.Option("--vllm-python", help="Python of vLLM's environment (serve mode)."),
+]
+MODES = ("forward", "engine", "priority", "serve")
+DEFAULT_MODES = "forward,engine,priority"
 
 
 def command(
@@ -82,6 +110,9 @@ def command(
     padded: PaddedOption = False,
     attn: AttnOption = "sdpa",
     threads: ThreadsOption = 0,
+    modes: ModesOption = DEFAULT_MODES,
+    repeats: RepeatsOption = 3,
+    vllm_python: VllmOption = Path(".venv-vllm/bin/python"),
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
 ) -> None:
@@ -101,6 +132,9 @@ def command(
             padded=padded,
             attn=attn,
             threads=threads,
+            modes=parse_modes(modes),
+            repeats=repeats,
+            vllm_python=vllm_python,
         )
     except KVStrataError as exc:
         fail(str(exc))
@@ -126,6 +160,14 @@ def parse_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_modes(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [name for name in names if name not in MODES]
+    if bad or not names:
+        raise ConfigError(f"--modes: use {', '.join(MODES)}, got {text!r}")
+    return [m for m in MODES if m in names]
+
+
 def histories(count: int, low: int, high: int) -> list[int]:
     """``count`` lengths spread evenly over ``low..high``, interleaved (long and short mixed)."""
     if count == 1:
@@ -145,6 +187,9 @@ def run(
     padded: bool = False,
     attn: str = "sdpa",
     threads: int = 0,
+    modes: list[str] | None = None,
+    repeats: int = 3,
+    vllm_python: Path = Path(".venv-vllm/bin/python"),
     progress: bool = True,
 ) -> BenchResult:
     import torch
@@ -161,9 +206,13 @@ def run(
     if attn not in ("sdpa", "eager"):
         raise ConfigError(f"--attn must be sdpa or eager, got {attn!r}")
     variants = [SERIAL, BATCHED] + ([PADDED] if padded else [])
+    modes = modes or parse_modes(DEFAULT_MODES)
     per_dtype: dict[str, Any] = {}
+    units = 1 + ("forward" in modes) * len(counts) * steps
+    units += ("engine" in modes) * len(counts) * 2 * repeats + ("priority" in modes) * 2 * repeats
+    units += ("serve" in modes) * len(counts) * 2 * repeats
     with progress_bar(progress) as bar:
-        task = bar.add_task("batching", total=len(names) * (1 + len(counts) * steps))
+        task = bar.add_task("batching", total=len(names) * units)
         for name in names:
             bar.update(task, description=f"batching: load {name}")
             loaded = load_model(
@@ -180,20 +229,59 @@ def run(
             text = prompt_token_ids(loaded, history[1] + chunk + 1)
             kv = _prefill(loaded, text[: history[1]])
             bar.advance(task)
-            results = {}
-            with frozen_heap(), torch.inference_mode():
-                for n in counts:
-                    bar.update(task, description=f"batching: {name}, {n} sessions")
-                    lengths = histories(n, *history)
-                    entry = _measure(
-                        loaded.model, kv, text, lengths, steps, chunk, variants, lambda: bar.advance(task)
-                    )
-                    results[str(n)] = _summarize(entry, n, steps)
-            per_dtype[name] = {"model": loaded.name, "sessions": results}
+            per_dtype[name] = {"model": loaded.name}
+
+            def advance() -> None:
+                bar.advance(task)
+
+            if "forward" in modes:
+                results = {}
+                with frozen_heap(), torch.inference_mode():
+                    for n in counts:
+                        bar.update(task, description=f"batching: forward, {name}, {n} sessions")
+                        lengths = histories(n, *history)
+                        entry = _measure(loaded.model, kv, text, lengths, steps, chunk, variants, advance)
+                        results[str(n)] = _summarize(entry, n, steps)
+                per_dtype[name]["sessions"] = results
+            if "engine" in modes:
+                bar.update(task, description=f"batching: engine, {name}")
+                per_dtype[name]["engine"] = batching_engine.measure_throughput(
+                    loaded, kv, text, counts, lambda n: histories(n, *history), steps, repeats, advance
+                )
+            if "priority" in modes:
+                bar.update(task, description=f"batching: priority, {name}")
+                per_dtype[name]["priority"] = batching_engine.measure_priority(
+                    loaded,
+                    kv,
+                    text,
+                    background=PRIORITY_BACKGROUND,
+                    lengths=histories(PRIORITY_BACKGROUND, *history),
+                    bg_tokens=512,
+                    rt_history=min(512, history[1]),
+                    rt_prompt=32,
+                    rt_tokens=32,
+                    max_batch=PRIORITY_BACKGROUND,
+                    repeats=repeats,
+                    advance=advance,
+                )
+            if "serve" in modes:
+                bar.update(task, description=f"batching: kvstrata serve and vLLM, {name}")
+                per_dtype[name]["serve"] = serving.run_peer(
+                    model_dir=loaded.path,
+                    vllm_python=vllm_python,
+                    counts=counts,
+                    dtype=DTYPES[name],
+                    threads=threads or 1,
+                    max_batch=max(counts),
+                    max_tokens=steps,
+                    repeats=repeats,
+                    advance=advance,
+                )
             del loaded, kv
     data = {"targets": {str(k): v for k, v in TARGETS.items()}, "dtypes": per_dtype}
     params = {"model": str(model) if model else None, "sessions": counts, "history": list(history)}
     params |= {"steps": steps, "dtypes": names, "chunk": chunk, "padded": padded, "attn": attn}
+    params |= {"modes": modes, "repeats": repeats, "vllm_python": str(vllm_python)}
     params |= {"threads": torch.get_num_threads()}
     return BenchResult(
         SUITE, params, data, _tables(data, variants), plot=lambda fig: _plot(fig, data, variants)
@@ -389,6 +477,14 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
 def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
     tables = []
     for name, per in data["dtypes"].items():
+        if "engine" in per:
+            tables.append(batching_engine.throughput_table(name, per["model"], per["engine"], TARGETS))
+        if "priority" in per:
+            tables.append(batching_engine.priority_table(name, per["model"], per["priority"]))
+        if "serve" in per:
+            tables.append(serving.peer_table(per["serve"]))
+        if "sessions" not in per:
+            continue
         columns = ["N", "serial tok/s", "batch tok/s", "speedup", "(median)", "ITL serial", "ITL batch"]
         columns += ["ITL p90"]
         columns += ["mixed step", "same tokens"]
@@ -437,6 +533,16 @@ def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
 def _plot(fig: Any, data: dict[str, Any], variants: list[str]) -> None:
     left, right = fig.subplots(1, 2)
     for d, (name, per) in enumerate(data["dtypes"].items()):
+        if "engine" in per:
+            counts = [int(k) for k in per["engine"]]
+            for v, variant in enumerate((batching_engine.SERIAL, batching_engine.BATCHED)):
+                ys = [per["engine"][str(c)][variant]["tokens_per_s"] for c in counts]
+                left.plot(counts, ys, marker="s", linestyle=["-", "--"][d % 2], color=f"C{v + 3}")
+                left.lines[-1].set_label(f"engine {variant} {name}")
+            speedups = [per["engine"][str(c)]["speedup"] for c in counts]
+            right.plot(counts, speedups, marker="s", linestyle=["-", "--"][d % 2], label=f"engine {name}")
+        if "sessions" not in per:
+            continue
         counts = [int(k) for k in per["sessions"]]
         for v, variant in enumerate(variants):
             ys = [per["sessions"][str(c)][variant]["tokens_per_s"] for c in counts]

@@ -22,7 +22,7 @@ from kvstrata.cli.common import (
 from kvstrata.cli.progress import stderr_is_terminal
 from kvstrata.cli.stores import check_writable_root, store_for_layout, store_root
 from kvstrata.config import StoreConfig, encryption_key_from_env
-from kvstrata.errors import KVStrataError
+from kvstrata.errors import ConfigError, KVStrataError
 
 
 def serve(
@@ -47,6 +47,24 @@ def serve(
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", min=1, help="Longest prompt accepted.")
     ] = 32768,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            "--max-batch",
+            min=1,
+            help="Most requests decoded together in one forward pass (continuous batching); 1 turns "
+            "batching off.",
+        ),
+    ] = 16,  # the engine's DEFAULT_MAX_BATCH (not imported: the CLI starts without torch)
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="Weight (and KV) dtype: float32 or bfloat16 (also fp32, bf16).")
+    ] = "float32",
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads", min=0, help="torch threads for the model (0: torch's default, one per core)."
+        ),
+    ] = 0,
     background_memory: Annotated[
         str | None,
         typer.Option(
@@ -78,6 +96,7 @@ def serve(
         if background_memory:
             modes[Priority.BACKGROUND] = MemoryMode.parse(background_memory)
 
+        import torch
         import uvicorn
 
         from kvstrata.engine import Engine
@@ -85,13 +104,16 @@ def serve(
         from kvstrata.server import ServerConfig, create_app
         from kvstrata.store import KVStore
 
-        loaded = load_model(model, progress=stderr_is_terminal())
+        if threads:
+            torch.set_num_threads(threads)
+        loaded = load_model(model, dtype=_torch_dtype(dtype), progress=stderr_is_terminal())
         layout = loaded.layout(BLOCK_TOKENS)
         root = store_for_layout(store_root(store), layout)
         kv = KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config)
         engine = Engine(
             loaded,
             kv,
+            max_batch=max_batch,
             memory_modes=modes,
             track_importance=any(m.kind is MemoryModeKind.IMPORTANCE for m in modes.values()),
         )
@@ -119,3 +141,14 @@ def serve(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot use the store under {store_root(store)}: {exc}")
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def _torch_dtype(name: str) -> object:
+    import torch
+
+    if name.lower() not in _DTYPES:
+        raise ConfigError(f"--dtype: use float32 or bfloat16, got {name!r}")
+    return getattr(torch, _DTYPES[name.lower()])

@@ -1,12 +1,21 @@
 """The multi-session generation engine: prefix reuse from the store, decoding, persistence."""
 
 from kvstrata.engine.decoder import DecodeStep, RequestDecoder
-from kvstrata.engine.engine import Engine, GenerationRequest, Response, ResponseStream
+from kvstrata.engine.engine import (
+    BatchStats,
+    Engine,
+    GenerationRequest,
+    Response,
+    ResponseStream,
+    batch_budget,
+)
 from kvstrata.engine.grammar import GrammarSpec
 from kvstrata.engine.sampling import SamplingParams, TokenChoice
-from kvstrata.engine.scheduler import QueueFullError, Scheduler, SchedulerClosedError
+from kvstrata.engine.scheduler import QueueFullError, SchedulerClosedError
+from kvstrata.engine.stepper import StepReport
 
 __all__ = [
+    "BatchStats",
     "DecodeStep",
     "Engine",
     "GenerationRequest",
@@ -16,7 +25,8 @@ __all__ = [
     "Response",
     "ResponseStream",
     "SamplingParams",
-    "Scheduler",
     "SchedulerClosedError",
+    "StepReport",
     "TokenChoice",
+    "batch_budget",
 ]

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from kvstrata.errors import KVStrataError
+from kvstrata.errors import KVStrataError, SessionBusyError
 from kvstrata.priority import Priority
 from kvstrata.server.context import ServerContext
 from kvstrata.server.deps import client_address, context, locked, require_tenant
@@ -117,6 +117,8 @@ async def delete_session(
 ) -> dict[str, Any]:
     def work(ctx: ServerContext) -> None:
         ctx.store.session(session_id, tenant)  # a 404 for an unknown id
+        if ctx.engine.busy(session_id, tenant):
+            raise SessionBusyError(f"session {session_id} has a request running; delete it after")
         ctx.store.delete_session(session_id, tenant)
         ctx.engine.forget(session_id, tenant)
 

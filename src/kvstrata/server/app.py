@@ -12,7 +12,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.engine import Engine
 from kvstrata.server import admin, openai_api
-from kvstrata.server.admission import PriorityLock
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.context import ServerConfig, ServerContext
 from kvstrata.server.deps import context
@@ -27,13 +26,11 @@ def create_app(
     when the server stops (a SIGTERM included: uvicorn re-raises the signal after the lifespan
     ends, so code after ``uvicorn.run`` would never run). The app closes its audit log."""
     config = config or ServerConfig()
-    lock = PriorityLock()
     ctx = ServerContext(
         engine,
         config,
         AuditLog(config.audit_path) if config.audit_path is not None else None,
-        ServerMetrics(engine.store, lock),
-        lock,
+        ServerMetrics(engine),
     )
 
     @asynccontextmanager

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstrata.engine import Engine
 from kvstrata.errors import ConfigError
-from kvstrata.server.admission import PriorityLock
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.auth import ApiKeys
 from kvstrata.server.metrics import ServerMetrics
@@ -59,10 +59,14 @@ class ServerContext:
     config: ServerConfig
     audit: AuditLog | None
     metrics: ServerMetrics
-    lock: PriorityLock = field(default_factory=PriorityLock)
-    """Held by whatever uses the store or the engine (a generation, an admin action): they are
-    not safe to use from two threads at once, and run in worker threads off the event loop."""
 
     @property
     def store(self) -> KVStore:
         return self.engine.store
+
+    @property
+    def store_lock(self) -> threading.RLock:
+        """Held by whatever uses the store's sessions beside the engine's own store worker (an
+        admin action, the check of a request's session): they run in worker threads, off the
+        event loop. Generation requests do not hold it: they run together in the engine's batch."""
+        return self.engine.store_lock

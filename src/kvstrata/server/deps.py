@@ -46,7 +46,7 @@ async def locked(ctx: ServerContext, work: Callable[[], T]) -> T:
     """Run ``work`` in a worker thread while holding the store lock (the event loop stays free)."""
 
     def run() -> T:
-        with ctx.lock.hold():
+        with ctx.store_lock:
             return work()
 
     return await run_in_threadpool(run)

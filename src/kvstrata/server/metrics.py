@@ -1,8 +1,11 @@
 """Prometheus metrics, in a registry per app.
 
-Store figures (bytes and blocks per tier, bytes per codec, the tiered store's counters) are read
-at scrape time by a collector, so they are never stale and the request path does no bookkeeping
-for them; request figures (in flight per priority class, latencies) are recorded as requests run.
+Store figures (bytes and blocks per tier, bytes per codec, the tiered store's counters) and the
+batch's (waiting and running requests, preemptions per class) are read at scrape time by
+collectors, so they are never stale and the request path does no bookkeeping for them; request
+figures (in flight, time to first token, inter-token latency, tokens, per priority class) are
+recorded as requests end, and each step's batch size and duration as it runs.
+``docs/grafana/kvstrata.json`` is a Grafana dashboard over these metrics.
 """
 
 from __future__ import annotations
@@ -10,19 +13,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstrata.priority import Priority
 
 if TYPE_CHECKING:
-    from kvstrata.engine.engine import Response
-    from kvstrata.server.admission import PriorityLock
+    from kvstrata.engine import Engine, Response, StepReport
     from kvstrata.store import KVStore
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class StoreCollector(Collector):
@@ -97,43 +100,65 @@ class StoreCollector(Collector):
         yield per_namespace
 
 
-class QueueCollector(Collector):
-    def __init__(self, lock: PriorityLock) -> None:
-        self.lock = lock
+class BatchCollector(Collector):
+    """The engine's batch, read at scrape time: waiting and running requests and preemptions per
+    class, steps run and steps given up for a realtime arrival."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+        stats = self.engine.batch_stats()
+        queued = GaugeMetricFamily(
             "kvstrata_queue_depth",
-            "Requests waiting for the engine, per class.",
+            "Requests waiting (for a place in the batch, their restore, or their session), per class.",
             labels=["priority"],
         )
-        for priority, waiting in self.lock.waiting().items():
-            family.add_metric([priority.value], waiting)
-        yield family
+        running = GaugeMetricFamily(
+            "kvstrata_requests_running",
+            "Requests holding a row of the batch (decoding, prefilling or paused), per class.",
+            labels=["priority"],
+        )
+        preempted = CounterMetricFamily(
+            "kvstrata_preemptions",
+            "Times a running request was left out of a step for more urgent ones, per class.",
+            labels=["priority"],
+        )
+        for priority in Priority:
+            queued.add_metric([priority.value], stats.queued[priority])
+            running.add_metric([priority.value], stats.running[priority])
+            preempted.add_metric([priority.value], stats.preemptions[priority])
+        yield from (queued, running, preempted)
+        yield CounterMetricFamily("kvstrata_batch_steps", "Batched forward passes run.", value=stats.steps)
+        yield CounterMetricFamily(
+            "kvstrata_batch_interrupted_steps",
+            "Steps given up so that a realtime arrival runs at once.",
+            value=stats.interrupted_steps,
+        )
 
 
 class ServerMetrics:
-    def __init__(self, store: KVStore, lock: PriorityLock) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(StoreCollector(store))
-        self.registry.register(QueueCollector(lock))
+        self.registry.register(StoreCollector(engine.store))
+        self.registry.register(BatchCollector(engine))
         self.in_flight = Gauge(
             "kvstrata_requests_in_flight",
-            "Generation requests waiting or running, per priority class.",
+            "HTTP generation requests being served, per priority class.",
             ["priority"],
             registry=self.registry,
         )
-        for priority in Priority:
-            self.in_flight.labels(priority.value)
         self.ttft = Histogram(
             "kvstrata_time_to_first_token_seconds",
-            "Time from the start of a request's generation to its first token.",
+            "Time from a request's submission to its first token (waiting and restore included).",
+            ["priority"],
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self.inter_token = Histogram(
             "kvstrata_inter_token_latency_seconds",
-            "Mean decode time per generated token after the first, one observation per request.",
+            "Time between consecutive generated tokens of a request, one observation per token.",
+            ["priority"],
             buckets=_TOKEN_BUCKETS_S,
             registry=self.registry,
         )
@@ -143,9 +168,50 @@ class ServerMetrics:
             buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "kvstrata_prompt_tokens",
+            "Prompt tokens of finished requests, per class.",
+            ["priority"],
+            registry=self.registry,
+        )
+        self.generated_tokens = Counter(
+            "kvstrata_generated_tokens", "Tokens generated, per class.", ["priority"], registry=self.registry
+        )
+        self.batch_size = Histogram(
+            "kvstrata_batch_size",
+            "Requests (rows) per batched step.",
+            buckets=_BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            "kvstrata_step_seconds",
+            "Duration of one batched step (a forward pass of all its rows).",
+            buckets=_TOKEN_BUCKETS_S,
+            registry=self.registry,
+        )
+        for priority in Priority:
+            for labelled in (
+                self.in_flight,
+                self.ttft,
+                self.inter_token,
+                self.prompt_tokens,
+                self.generated_tokens,
+            ):
+                labelled.labels(priority.value)
+        engine.add_step_listener(self._on_step)
 
-    def observe(self, response: Response) -> None:
-        self.ttft.observe(response.ttft_ms / 1e3)
-        if response.decode_tokens_per_s > 0:
-            self.inter_token.observe(1.0 / response.decode_tokens_per_s)
+    def _on_step(self, report: StepReport) -> None:
+        if report.plan.slots and not report.interrupted:
+            self.batch_size.observe(len(report.plan.slots))
+            self.step_seconds.observe(report.seconds)
+
+    def observe(self, response: Response, priority: Priority) -> None:
+        label = priority.value
+        if response.completion_tokens:
+            self.ttft.labels(label).observe(response.ttft_ms / 1e3)
+        inter_token = self.inter_token.labels(label)
+        for gap_ms in response.inter_token_ms:
+            inter_token.observe(gap_ms / 1e3)
         self.cached_tokens.observe(response.cached_tokens)
+        self.prompt_tokens.labels(label).inc(response.prompt_tokens)
+        self.generated_tokens.labels(label).inc(response.completion_tokens)

@@ -5,8 +5,10 @@ the engine reuses that session's stored KV and prefills only what is new. A requ
 is stateless: it runs in a throwaway session that is deleted afterwards (the full blocks it
 wrote stay shared within the tenant's namespace, so a repeated system prompt is still reused).
 
-``n`` choices run one after another on the same session: each reuses the prompt's KV, and the
-session keeps the last choice's tokens (the next turn reuses the prompt either way).
+Requests run together in the engine's batch (continuous batching: one forward pass per step for
+every running request, realtime first; see :mod:`kvstrata.engine`). ``n`` choices run one after
+another on the same session: each reuses the prompt's KV, and the session keeps the last
+choice's tokens (the next turn reuses the prompt either way).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def prepare(ctx: ServerContext, job: Job) -> list[GenerationRequest]:
     """The engine requests of ``job``'s choices; everything that can refuse the request runs
     here, before anything is written to the store."""
     if not job.stateless and not ctx.config.create_sessions:
-        ctx.store.session(job.session_id, job.namespace)  # SessionNotFoundError: a 404
+        with ctx.store_lock:
+            ctx.store.session(job.session_id, job.namespace)  # SessionNotFoundError: a 404
     requests = [job.request(i) for i in range(job.n)]
     prompt_tokens = len(ctx.engine.prompt_token_ids(requests[0]))
     if prompt_tokens > ctx.config.max_prompt_tokens:
@@ -166,9 +169,11 @@ def prepare(ctx: ServerContext, job: Job) -> list[GenerationRequest]:
 
 
 def finish(ctx: ServerContext, job: Job) -> None:
+    """After the job's last choice has committed: a stateless job's session goes."""
     if job.stateless:
-        ctx.store.delete_session(job.session_id, job.namespace)
-        ctx.engine.forget(job.session_id, job.namespace)
+        with ctx.store_lock:
+            ctx.store.delete_session(job.session_id, job.namespace)
+            ctx.engine.forget(job.session_id, job.namespace)
 
 
 def api_error(exc: Exception) -> APIError:
@@ -180,19 +185,19 @@ def api_error(exc: Exception) -> APIError:
 
 
 def _run(ctx: ServerContext, job: Job) -> list[Response]:
+    """Run the job's choices in the engine's batch, one after the other (they share a session)."""
     gauge = ctx.metrics.in_flight.labels(job.priority.value)
     gauge.inc()
     try:
-        with ctx.lock.hold(job.priority):
-            requests = prepare(ctx, job)
-            try:
-                results = [ctx.engine.run(request) for request in requests]
-            finally:
-                finish(ctx, job)
+        requests = prepare(ctx, job)
+        try:
+            results = [ctx.engine.run(request) for request in requests]
+        finally:
+            finish(ctx, job)
     finally:
         gauge.dec()
     for response in results:
-        ctx.metrics.observe(response)
+        ctx.metrics.observe(response, job.priority)
     return results
 
 

@@ -1,9 +1,11 @@
 """Streaming a job as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
 
-The engine runs in a worker thread and hands its steps to the event loop through a queue. A
-request refused before it starts is an HTTP error (400, 404, ...); one that fails after the
-status line went out ends with an error event. A client that leaves stops the decoding at the
-next token, and nothing of that request is persisted.
+A worker thread reads the request's steps from the engine (where it decodes in the batch with
+every other request) and hands them to the event loop through a queue. A request refused before
+it starts is an HTTP error (400, 404, 429 when the engine's queue is full, ...); one that fails
+after the status line went out ends with an error event. A client that leaves cancels its
+request at the engine's next step: its session is committed up to the tokens computed by then
+(the prompt, and the answer so far), never half-written.
 
 Chat chunks carry ``delta.content``; with tools, calls are read out of the text as it streams
 (:class:`~kvstrata.server.tools.CallStream`) and sent as ``delta.tool_calls``, whole, one chunk
@@ -22,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvstrata.engine.decoder import DecodeStep
-from kvstrata.engine.engine import Response
+from kvstrata.engine.engine import Response, ResponseStream
 from kvstrata.errors import KVStrataError
 from kvstrata.server import responses
 from kvstrata.server.context import ServerContext
@@ -31,8 +33,28 @@ from kvstrata.server.openai_api import Job, api_error, extension, finish, header
 from kvstrata.server.tools import CallStream, ToolCall
 
 
+class _Control:
+    """How the response (on the event loop) stops the job's thread: the stream of the running
+    choice is cancelled at once, and no further choice starts."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.current: ResponseStream | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        current = self.current
+        if current is not None:
+            current.cancel()
+
+    def start(self, stream: ResponseStream) -> None:
+        self.current = stream
+        if self.cancelled:  # cancelled while the stream was being started
+            stream.cancel()
+
+
 def _generate_in_thread(
-    ctx: ServerContext, job: Job, emit: Callable[[str, Any], None], cancelled: threading.Event
+    ctx: ServerContext, job: Job, emit: Callable[[str, Any], None], control: _Control
 ) -> None:
     """Run the job, emitting ("error", exc) if it is refused before it starts, or ("start",),
     then per choice ("step", (index, DecodeStep))... and ("choice", (index, Response)), then
@@ -42,24 +64,27 @@ def _generate_in_thread(
     gauge.inc()
     started = False
     try:
-        with ctx.lock.hold(job.priority):
-            requests = prepare(ctx, job)
+        requests = prepare(ctx, job)
+        try:
+            stream = ctx.engine.stream(requests[0])  # a full queue is still an HTTP error (429)
             started = True
             emit("start", None)
-            try:
-                for index, request in enumerate(requests):
+            for index, request in enumerate(requests):
+                if index:
                     stream = ctx.engine.stream(request)
-                    for step in stream.steps():
-                        if cancelled.is_set():
-                            stream.close()  # the client left: stop decoding, persist nothing
-                            emit("fail", APIError(499, "the client closed the stream", type="server_error"))
-                            return
-                        emit("step", (index, step))
-                    assert stream.response is not None
-                    ctx.metrics.observe(stream.response)
-                    emit("choice", (index, stream.response))
-            finally:
-                finish(ctx, job)
+                control.start(stream)
+                for step in stream.steps():
+                    emit("step", (index, step))
+                response = stream.response
+                assert response is not None
+                ctx.metrics.observe(response, job.priority)
+                if response.finish_reason == "cancelled" or control.cancelled:
+                    # the client left: the session keeps what was computed until then
+                    emit("fail", APIError(499, "the client closed the stream", type="server_error"))
+                    return
+                emit("choice", (index, response))
+        finally:
+            finish(ctx, job)  # after the engine committed: a stateless session goes
         emit("done", None)
     except (APIError, KVStrataError) as exc:
         emit("fail" if started else "error", exc)
@@ -153,12 +178,17 @@ async def stream_job(ctx: ServerContext, job: Job) -> Any:
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    cancelled = threading.Event()
+    control = _Control()
 
     def emit(kind: str, value: Any) -> None:
         loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-    loop.run_in_executor(None, _generate_in_thread, ctx, job, emit, cancelled)
+    # A thread of its own: it waits on the engine for the whole stream, and the event loop's
+    # default executor (a few threads per core) would hold concurrent streams back behind it.
+    worker = threading.Thread(
+        target=_generate_in_thread, args=(ctx, job, emit, control), name="kvstrata-stream", daemon=True
+    )
+    worker.start()
     kind, value = await events.get()
     if kind == "error":
         raise api_error(value)
@@ -190,7 +220,7 @@ async def stream_job(ctx: ServerContext, job: Job) -> Any:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            cancelled.set()
+            control.cancel()  # a no-op once the job is done
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers(job))
 

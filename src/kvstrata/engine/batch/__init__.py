@@ -6,7 +6,7 @@ pass per step, with the rows of each step chosen by priority class.
 - :mod:`.loop`: the step loop that ties the two together with per-request token picking.
 """
 
-from kvstrata.engine.batch.forward import BatchedForward, BatchRow, Segment
+from kvstrata.engine.batch.forward import BatchedForward, BatchRow, Segment, StepInterrupted
 from kvstrata.engine.batch.loop import BatchLoop, LoopRequest, StepResult, greedy
 from kvstrata.engine.batch.step_scheduler import (
     Phase,
@@ -27,6 +27,7 @@ __all__ = [
     "Segment",
     "Slot",
     "StepBudget",
+    "StepInterrupted",
     "StepPlan",
     "StepResult",
     "StepScheduler",

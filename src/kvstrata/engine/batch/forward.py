@@ -50,7 +50,7 @@ pads short rows to the longest; packed rows copy nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,12 +60,17 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from kvstrata.errors import ConfigError
+from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 
 ATTENTION_NAME = "kvstrata_batched"
 _STEP_KWARG = "kvstrata_step"
 _BASE_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+class StepInterrupted(KVStrataError):
+    """A step was given up before its end (its ``interrupt`` asked for it): every row is as it
+    was before the step, and nothing of it counts."""
 
 
 class BatchRow:
@@ -140,6 +145,7 @@ class _Step:
     rows: list[BatchRow]
     bounds: list[tuple[int, int]]
     base_attention: str
+    interrupt: Callable[[], bool] | None = None
     masks: list[torch.Tensor | None] = field(default_factory=list)
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
@@ -181,8 +187,11 @@ def _batched_attention(
     if step is None:
         raise ConfigError(f"the {ATTENTION_NAME!r} attention runs only inside BatchedForward.forward")
     base = ALL_ATTENTION_FUNCTIONS.get_interface(step.base_attention, eager_attention_forward)
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    if step.interrupt is not None and step.interrupt():
+        raise StepInterrupted(f"the step was given up at layer {layer_idx}")
     outputs = []
-    views = step.views[module.layer_idx]  # type: ignore[index]
+    views = step.views[layer_idx]
     rows = zip(step.rows, step.bounds, views, step.masks, strict=True)
     for row, (start, stop), (keys, values), mask in rows:
         q = query[:, :, start:stop]
@@ -236,11 +245,13 @@ class BatchedForward:
     each step: run steps on the thread (or under the lock) that owns the model.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        base = model.config._attn_implementation
+    def __init__(self, model: torch.nn.Module, attention: str | None = None) -> None:
+        """``attention``: the per-row attention, ``eager`` or ``sdpa`` (default: the model's own).
+        Rows that track attention always use eager (it returns the probabilities)."""
+        base = attention or model.config._attn_implementation
         if base not in _BASE_IMPLEMENTATIONS:
             raise ConfigError(
-                f"batched steps need a model with eager or sdpa attention, this one uses {base!r}"
+                f"batched steps need eager or sdpa attention, not {base!r} (pass attention='sdpa')"
             )
         self.model = model
         self.base_attention = base
@@ -250,13 +261,20 @@ class BatchedForward:
         AttentionInterface.register(ATTENTION_NAME, _batched_attention)  # idempotent
 
     @torch.inference_mode()
-    def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+    def forward(
+        self, segments: Sequence[Segment], interrupt: Callable[[], bool] | None = None
+    ) -> list[torch.Tensor | None]:
         """Run one step; returns, per segment, the float32 logits after its last token (None for
-        a segment that asked for none). On an error every row is left as it was before the step."""
+        a segment that asked for none). On an error every row is left as it was before the step.
+
+        ``interrupt`` is asked before each layer's attention whether to give the step up (raising
+        :class:`StepInterrupted`): a realtime request that became ready while a long step of
+        other rows runs then waits for one layer, not for the rest of the step. What was computed
+        of the step is thrown away: at most one step per realtime arrival."""
         rows, bounds, ids, positions, keep = self._pack(segments)
         if not rows:
             return []
-        step = _Step(rows, bounds, self.base_attention)
+        step = _Step(rows, bounds, self.base_attention, interrupt)
         dtype = self.model.dtype
         for row, (start, stop) in zip(rows, bounds, strict=True):
             n_total = row.length + stop - start

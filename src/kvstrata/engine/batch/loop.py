@@ -8,10 +8,16 @@ out), and takes finished requests back to commit their rows' KV. A request's row
 finishes, the KV of the tokens it was built with, its prompt and every generated token but the
 last (never fed to the model), exactly what the single-request engine commits.
 
-Failures stay per request where they can: a row that cannot be opened, or whose tokens would
-pass the model's positions, finishes that request with ``finish_reason == "error"``. A forward
-pass that raises leaves every row as it was before the step (the forward pass rolls its appends
-back) and propagates.
+``open_row`` may also answer "not yet" (None): the engine restores a session's KV on another
+thread, so that a slow restore never stalls the batch; the request stays queued and is asked
+again at the next step.
+
+Failures stay per request where they can: a row that cannot be opened, whose tokens would pass
+the model's positions, or whose ``pick`` raises (a grammar that allows nothing) finishes that
+request with ``finish_reason == "error"`` (``error`` says why, ``failure`` is the exception). A
+forward pass that raises leaves every row as it was before the step (the forward pass rolls its
+appends back) and propagates; so does a step given up through ``interrupt``
+(:class:`~kvstrata.engine.batch.forward.StepInterrupted`), which counts as not run.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.priority import Priority
 
 PickFn = Callable[[torch.Tensor], int]
-RowOpener = Callable[[], tuple[BatchRow, Sequence[int]]]
+RowOpener = Callable[[], tuple[BatchRow, Sequence[int]] | None]
 
 
 def greedy(logits: torch.Tensor) -> int:
@@ -46,8 +52,9 @@ class LoopRequest:
     pick: PickFn = greedy
     stop_ids: frozenset[int] = frozenset()
     open_row: RowOpener | None = None
-    """Called once, at admission: the row (its cache holding what is already computed) and the
-    prompt tokens still to feed (at least one)."""
+    """Called at admission: the row (its cache holding what is already computed) and the prompt
+    tokens still to feed (at least one); or None when the row is not ready yet (asked again at
+    the next step)."""
     record_logits: bool = False
     """Keep every next-token logits row (tests compare them)."""
 
@@ -56,6 +63,8 @@ class LoopRequest:
     logits: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    failure: Exception | None = None
+    """What made the request fail (with ``finish_reason == "error"``)."""
     _prefill: list[int] = field(default_factory=list)
     _fed: int = 0
 
@@ -74,6 +83,8 @@ class StepResult:
     plan: StepPlan
     tokens: list[tuple[LoopRequest, int]]
     """The tokens picked in this step, one per request that got logits, in row order."""
+    logits: list[torch.Tensor]
+    """The logits each of ``tokens`` was picked from."""
     finished: list[LoopRequest]
     """Requests that finished in this step (by a stop token, max_new_tokens or an error)."""
 
@@ -85,6 +96,8 @@ class BatchLoop:
         self.forward = forward
         self.scheduler = StepScheduler(budget)
         self._requests: dict[str, LoopRequest] = {}
+        self.last_plan = StepPlan(-1, (), ())
+        """The plan of the last step run or tried (a step that raised names its rows here)."""
 
     def submit(self, request: LoopRequest) -> None:
         if request.request_id in self._requests:
@@ -107,9 +120,12 @@ class BatchLoop:
     def pending(self) -> int:
         return len(self._requests)
 
-    def step(self) -> StepResult:
+    def step(self, interrupt: Callable[[StepPlan], bool] | None = None) -> StepResult:
+        """Admit what can be admitted, run one step, pick the tokens. ``interrupt(plan)`` is
+        asked during the forward pass whether to give the step up (see
+        :meth:`BatchedForward.forward`)."""
         finished = self._admit()
-        plan = self.scheduler.plan()
+        plan = self.last_plan = self.scheduler.plan()
         segments: list[Segment] = []
         for slot in plan.slots:
             request = self._requests[slot.request_id]
@@ -120,8 +136,9 @@ class BatchLoop:
             else:
                 chunk = [request.generated[-1]]
             segments.append(Segment(request.row, chunk, slot.logits))
+        check = (lambda: interrupt(plan)) if interrupt is not None else None
         try:
-            logits = self.forward.forward(segments) if segments else []
+            logits = self.forward.forward(segments, check) if segments else []
         except BaseException:
             for slot in plan.slots:
                 if slot.phase is Phase.PREFILL:
@@ -130,20 +147,27 @@ class BatchLoop:
             raise
         self.scheduler.complete(plan)
         tokens: list[tuple[LoopRequest, int]] = []
+        picked_from: list[torch.Tensor] = []
         for slot, row_logits in zip(plan.slots, logits, strict=True):
             if row_logits is None:
                 continue
             request = self._requests[slot.request_id]
-            token = request.pick(row_logits)
+            try:
+                token = request.pick(row_logits)
+            except Exception as exc:  # the request's own picker (its grammar, its tokenizer): its failure
+                request.error, request.failure = str(exc), exc
+                finished.append(self._end(request, "error"))
+                continue
             if request.record_logits:
                 request.logits.append(row_logits.clone())
             request.generated.append(token)
             tokens.append((request, token))
+            picked_from.append(row_logits)
             if token in request.stop_ids:
                 finished.append(self._end(request, "stop"))
             elif len(request.generated) >= request.max_new_tokens:
                 finished.append(self._end(request, "length"))
-        return StepResult(plan, tokens, finished)
+        return StepResult(plan, tokens, picked_from, finished)
 
     def run(self) -> None:
         """Step until every submitted request has finished."""
@@ -157,7 +181,10 @@ class BatchLoop:
             request = self._requests[request_id]
             try:
                 if request.open_row is not None:
-                    row, prefill = request.open_row()
+                    opened = request.open_row()
+                    if opened is None:
+                        continue  # restoring elsewhere: asked again at the next step
+                    row, prefill = opened
                 else:
                     row, prefill = BatchRow.empty(self.forward.model), request.prompt_ids
                 prefill = [int(t) for t in prefill]
@@ -168,7 +195,7 @@ class BatchLoop:
                 if limit is not None and last > limit:
                     raise ConfigError(f"the request would reach position {last}, past the model's {limit}")
             except KVStrataError as exc:
-                request.error = str(exc)
+                request.error, request.failure = str(exc), exc
                 failed.append(self._end(request, "error"))
                 continue
             request.row, request._prefill, request._fed = row, prefill, 0

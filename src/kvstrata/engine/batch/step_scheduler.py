@@ -27,9 +27,11 @@ tokens, a decode costs one token, a prefill chunk its length):
 While a realtime request is live, the rows of the lower classes are held to
 ``realtime_max_sequences`` / ``realtime_max_tokens`` (the realtime rows themselves to the full
 budget): a step's cost grows with its rows, and a realtime request's inter-token latency should
-stay near its unloaded one. A live request that does not fit is *paused*: it keeps its KV (the
-engine may demote it) and runs again when there is room; a paused request that ran in the
-previous step counts as a preemption of its class.
+stay near its unloaded one. While a realtime request prefills (``realtime_prefill_alone``), the
+step holds nothing else but the starving requests' reserved rows: its time to first token is
+then that of its prefill alone, and the others lose one step. A live request that does not fit
+is *paused*: it keeps its KV (the engine may demote it) and runs again when there is room; a
+paused request that ran in the previous step counts as a preemption of its class.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class StepBudget:
     """While a realtime request is live: rows per step for everything else, starving included."""
     realtime_max_tokens: int = 256
     """While a realtime request is live: tokens per step for everything else."""
+    realtime_prefill_alone: bool = True
+    """While a realtime request prefills: no other rows but the reserved starving ones."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -208,6 +212,9 @@ class StepScheduler:
         budget = self.budget
         live = [e for e in self._entries.values() if e.live]
         realtime_live = any(e.priority is Priority.REALTIME for e in live)
+        realtime_prefill = budget.realtime_prefill_alone and any(
+            e.priority is Priority.REALTIME and e.phase is Phase.PREFILL for e in live
+        )
         starving = sorted(
             (e for e in live if e.priority is not Priority.REALTIME and self._starving(e)),
             key=lambda e: (e.last_run, e.order),
@@ -216,7 +223,8 @@ class StepScheduler:
             (e for e in live if e.priority is Priority.REALTIME),
             key=lambda e: (not self._starving(e), e.phase is Phase.PREFILL, e.order),
         )
-        ordered = starving[: budget.starvation_slots] + realtime + starving[budget.starvation_slots :]
+        reserved = starving[: budget.starvation_slots]
+        ordered = reserved + realtime + starving[budget.starvation_slots :]
         for cls in (Priority.INTERACTIVE, Priority.BACKGROUND):
             ordered += self._by_phase(e for e in live if e.priority is cls)
         slots: list[Slot] = []
@@ -227,6 +235,8 @@ class StepScheduler:
             if entry.request_id in taken or len(slots) >= budget.max_sequences:
                 continue
             is_realtime = entry.priority is Priority.REALTIME
+            if realtime_prefill and not is_realtime and entry not in reserved:
+                continue
             room = budget.max_tokens - tokens
             if realtime_live and not is_realtime:
                 if other_rows >= budget.realtime_max_sequences:

@@ -1,0 +1,217 @@
+"""What the engine's store worker does for a request: open its row, and commit it at the end.
+
+**Open** (before the request's first step): take the session's lease (held until the commit, so
+another process sharing the store gets ``SessionBusyError`` meanwhile), find and load the
+longest stored prefix of the prompt (:mod:`kvstrata.engine.prefix`), and build the request's
+batch row: a :class:`KVStrataCache` holding that prefix, with room for the rest of the prompt
+and the answer, and the position offset of a pruned prefix.
+
+**Commit** (when the request left the batch, finished or cancelled): append the KV of every token
+the row computed (the prompt after the prefix and the generated tokens but the last, whose KV was
+never computed; for a request cancelled mid-prefill, the prompt tokens computed so far) and
+checkpoint, so the session's tokens are exactly the tokens whose KV is stored; then the
+per-session signals for the policy: residency in L1, attention mass per block (importance), the
+gap between requests, the system prompt's extent. A failed request commits nothing: the lease's
+release drops what it changed in memory, and the session stays at its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+
+from kvstrata.engine.batch import BatchRow
+from kvstrata.engine.inflight import InFlight
+from kvstrata.engine.prefix import Prefix, PrefixLoader, common_prefix
+from kvstrata.engine.requests import GenerationRequest, Response
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
+from kvstrata.integrations.transformers.model import LoadedModel
+from kvstrata.keys import LINEAGE_BYTES
+from kvstrata.policy.memory import MemoryMode
+from kvstrata.priority import Priority
+from kvstrata.store import KVStore
+from kvstrata.store.sessions import Session
+
+
+class SessionJobs:
+    def __init__(
+        self,
+        model: LoadedModel,
+        store: KVStore,
+        *,
+        l1_resident_sessions: int,
+        track_importance: bool,
+        memory_modes: Mapping[Priority, MemoryMode],
+    ) -> None:
+        if l1_resident_sessions < 1:
+            raise ConfigError("l1_resident_sessions must be >= 1")
+        self.model = model
+        self.store = store
+        self.l1_resident_sessions = l1_resident_sessions
+        self.track_importance = track_importance
+        self.memory_modes = memory_modes
+        self.prefixes = PrefixLoader(store)
+        self._devices = layer_devices(model.model)
+        self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._last_request: dict[tuple[str, str], float] = {}
+        self._gaps: dict[tuple[str, str], float] = {}
+
+    # -- open ------------------------------------------------------------------------------------
+    def open(self, inflight: InFlight) -> None:
+        """Restore the request's prefix and build its row (on the inflight); raises on failure
+        (the lease, if taken, stays on ``inflight.lease`` for the commit to release)."""
+        request, prompt_ids = inflight.request, inflight.prompt_ids
+        max_new_tokens = request.params.max_tokens
+        session = None
+        with torch.inference_mode():
+            if request.use_cache:
+                inflight.lease.enter_context(self.store.leased(request.session_id, request.namespace))
+                session = self.store.create_session(
+                    request.session_id, request.namespace, priority=request.priority, exist_ok=True
+                )
+                mode = self.memory_modes.get(session.priority)
+                capacity = len(prompt_ids) + max_new_tokens
+                prefix = self.prefixes.load(session, prompt_ids, capacity, mode)
+            else:
+                prefix = Prefix.none()
+            start, slots = prefix.num_tokens, prefix.slots
+            total_new = len(prompt_ids) - start + max_new_tokens
+            if prefix.source is not None:  # adopts the store's buffer when it has room
+                cache = KVStrataCache.from_loaded(
+                    prefix.source, slots, devices=self._devices, extra_tokens=total_new
+                )
+            else:
+                cache = KVStrataCache.from_kv(
+                    prefix.kv[:, :, :, :slots] if prefix.kv is not None else None,
+                    len(self._devices),
+                    devices=self._devices,
+                    extra_tokens=total_new,
+                )
+        inflight.session, inflight.prefix, inflight.prefill = session, prefix, prompt_ids[start:]
+        inflight.row = BatchRow(cache, position_offset=start - slots, track_attention=self.track_importance)
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, inflight: InFlight) -> None:
+        """Persist what the request's row computed, and record the session's signals."""
+        session, prefix, row = inflight.session, inflight.prefix, inflight.row
+        if session is None or prefix is None or row is None:
+            return
+        start, slots = prefix.num_tokens, prefix.slots
+        # The last generated token was never fed to the model, so it has no KV: the session
+        # stops before it, and the next turn prefills it (as part of its prompt).
+        computed = row.length - slots
+        new_ids = (inflight.prompt_ids[start:] + inflight.decoder.token_ids)[:computed]
+        assert len(new_ids) == computed
+        bt = self.store.layout.block_tokens
+        with torch.inference_mode():
+            if prefix.kept_blocks is not None and new_ids and not session.pruned:
+                # From here on the session's KV is computed over a pruned context: its blocks
+                # get keys of their own lineage, apart from exact blocks of the same tokens.
+                session.lineage, session.lineage_from = os.urandom(LINEAGE_BYTES), start
+            if new_ids:
+                self.store.append(session, new_ids, row.cache.new_kv(slots))
+            self.store.checkpoint(session)
+        self.keep_resident(session)
+        self._record_importance(session, row, prefix.kept_blocks)
+        self.prefixes.recycle(prefix, row.cache)
+        if prefix.kept_blocks is not None:  # blocks the session no longer attends to
+            kept = set(prefix.kept_blocks)
+            self.store.demote_from_l1(
+                k for i, k in enumerate(session.block_keys) if i not in kept and i * bt < start
+            )
+        self._record_signals(inflight.request, session, inflight.prompt_ids)
+
+    def response(self, inflight: InFlight, reason: str, ended: float) -> Response:
+        request, decoder = inflight.request, inflight.decoder
+        prefix = inflight.prefix or Prefix.none()
+        prompt_tokens = len(inflight.prompt_ids)
+        finish = decoder.finish_reason or ("cancelled" if reason == "cancelled" else "length")
+        return Response(
+            session_id=request.session_id,
+            namespace=request.namespace,
+            text=decoder.text,
+            token_ids=list(decoder.token_ids),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=prefix.num_tokens,
+            cached_by_tier=prefix.by_tier,
+            prefill_tokens=prompt_tokens - prefix.num_tokens,
+            completion_tokens=len(decoder.token_ids),
+            finish_reason=finish,
+            recomputed_reason="; ".join(prefix.reasons) or None,
+            diverged_at=prefix.diverged_at,
+            attended_tokens=prefix.slots if prefix.kept_blocks is not None else None,
+            stop_reason=decoder.stop_reason,
+            logprobs=decoder.logprobs if request.params.logprobs else None,
+            request_id=inflight.request_id,
+            **inflight.timings(ended),  # type: ignore[arg-type]
+        )
+
+    # -- per-session signals ---------------------------------------------------------------------
+    def forget(self, session_id: str, namespace: str) -> None:
+        self._resident.pop((namespace, session_id), None)
+
+    def keep_resident(self, session: Session) -> None:
+        """Mark ``session`` most recently served; demote sessions beyond the residency limit
+        from L1 (in the background), except blocks a resident session shares with them."""
+        key = (session.namespace, session.id)
+        self._resident.pop(key, None)
+        self._resident[key] = session
+        evicted = []
+        while len(self._resident) > self.l1_resident_sessions:
+            # the least recently served session of the lowest class leaves first: a burst of
+            # background agents does not push the interactive and realtime ones out of L1
+            victim = min(
+                self._resident, key=lambda k: -self._resident[k].priority.rank
+            )  # min() keeps the first (least recently served) of equal rank
+            evicted.append(self._resident.pop(victim))
+        if evicted:
+            keep = {k for s in self._resident.values() for k in s.all_keys()}
+            self.store.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
+
+    def request_rate(self, session_id: str, namespace: str) -> float:
+        gap = self._gaps.get((namespace, session_id))
+        return 1.0 / gap if gap else 0.0
+
+    def _record_signals(self, request: GenerationRequest, session: Session, prompt_ids: list[int]) -> None:
+        """Per-session signals for the policy: the moving-average gap between requests (which
+        becomes the expected time to the next use of the session's blocks) and the extent of the
+        system prompt (whose blocks are protected from demotion like the attention sinks)."""
+        key = (session.namespace, session.id)
+        now = time.monotonic()
+        last = self._last_request.get(key)
+        self._last_request[key] = now
+        if last is not None:
+            gap = now - last
+            previous = self._gaps.get(key)
+            self._gaps[key] = gap if previous is None else 0.7 * previous + 0.3 * gap
+        keys = session.all_keys()
+        if key in self._gaps:
+            self.store.set_next_use(keys, self._gaps[key])
+        messages = request.messages or []
+        if messages and messages[0].get("role") == "system":
+            system_ids = self.model.tokenizer.apply_chat_template([messages[0]], tokenize=True)
+            system_ids = system_ids["input_ids"] if hasattr(system_ids, "keys") else system_ids
+            # the blocks that lie wholly inside the rendered system message
+            full = (
+                min(common_prefix(list(system_ids), prompt_ids), session.num_tokens)
+                // self.store.layout.block_tokens
+            )
+            self.store.protect(session.block_keys[:full])
+
+    def _record_importance(self, session: Session, row: BatchRow, kept_blocks: list[int] | None) -> None:
+        """Credit each of the session's blocks with the attention mass it received this request.
+
+        With a pruned prefix the cache's first blocks were the kept full blocks: only those are
+        credited (the slots after them do not line up with the session's blocks)."""
+        if row.attention_mass is None:
+            return
+        keys = session.all_keys() if kept_blocks is None else [session.block_keys[i] for i in kept_blocks]
+        mass = row.block_mass(self.store.layout.block_tokens, len(keys))
+        total = mass.sum()
+        shares = mass / total if total > 0 else mass
+        self.store.add_importance(zip(keys, shares.tolist(), strict=True))

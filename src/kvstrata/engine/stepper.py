@@ -1,0 +1,213 @@
+"""The step thread: owns the model and the batch, and runs one forward pass per step.
+
+Other threads talk to it through an inbox: requests to add (:meth:`Stepper.submit`), requests to
+end (:meth:`Stepper.finish`: cancelled by their caller, or failed while their row was restored)
+and wake-ups (:meth:`Stepper.wake`: a row is ready). Between steps it applies them, then runs
+:meth:`BatchLoop.step`, so a row always holds exactly its prompt and generated tokens but the
+last. Each request's decoder picks its tokens inside the step (:meth:`InFlight.pick`); a decoder
+that reports a stop (a stop string, a grammar that is complete) ends its request right after
+the step. Finished requests go to ``on_finished`` (the engine commits them on its store worker).
+
+While a step of lower-class rows runs, a realtime request whose row became ready gives that
+step up (:class:`StepInterrupted`, at the next layer), so its prefill runs at once instead of
+after a whole step of other sessions; the rows lose nothing but that step's time.
+
+The thread starts with the first request and ends when the batch is empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.engine.batch import (
+    BatchLoop,
+    BatchRow,
+    LoopRequest,
+    SchedulerCounts,
+    StepInterrupted,
+    StepPlan,
+)
+from kvstrata.engine.inflight import InFlight
+from kvstrata.priority import Priority
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One step, as the engine's step listeners see it (on the step thread: keep them short)."""
+
+    plan: StepPlan
+    seconds: float
+    interrupted: bool = False
+    """The step was given up for a realtime arrival (nothing of it counts)."""
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per request id, the logits its token was picked from this step (with ``record_logits``)."""
+
+
+RowOpener = Callable[[InFlight], tuple[BatchRow, list[int]] | None]
+Finished = Callable[[InFlight, str], None]
+
+
+class Stepper:
+    def __init__(self, loop: BatchLoop, open_row: RowOpener, on_finished: Finished) -> None:
+        """``open_row(inflight)``: the request's row and the prompt tokens left to compute, or
+        None while it is being restored (see :class:`LoopRequest`). ``on_finished(inflight,
+        reason)``: the request left the batch (its row holds what it computed)."""
+        self.loop = loop
+        self.open_row = open_row
+        self.on_finished = on_finished
+        self.listeners: list[Callable[[StepReport], None]] = []
+        self.record_logits = False
+        self.counts = SchedulerCounts()
+        """The step scheduler's counts after the last step (read by the metrics)."""
+        self.steps = 0
+        self.interrupted_steps = 0
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, InFlight, str]] = []
+        self._woken = False
+        self._urgent = False
+        self._live: dict[str, InFlight] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- from other threads ----------------------------------------------------------------------
+    def submit(self, inflight: InFlight) -> None:
+        with self._cond:
+            self._post("submit", inflight, "")
+
+    def finish(self, inflight: InFlight, reason: str) -> None:
+        """End the request between steps (``cancelled``; ``error`` when its row failed to open)."""
+        with self._cond:
+            self._post("finish", inflight, reason)
+
+    def wake(self, *, urgent: bool = False) -> None:
+        """A row became ready; ``urgent``: a realtime one, worth giving a running step up for."""
+        with self._cond:
+            self._woken = True
+            self._urgent = self._urgent or urgent
+            self._cond.notify_all()
+
+    def _post(self, kind: str, inflight: InFlight, reason: str) -> None:
+        self._inbox.append((kind, inflight, reason))
+        self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstrata-steps", daemon=True)
+            self._thread.start()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._thread is None, timeout)
+
+    # -- the step thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here: fail what is in the batch rather than hang it
+            log.exception("the step thread failed")
+            for inflight in list(self._live.values()):
+                inflight.failure = inflight.failure or exc
+                self.loop.finish(inflight.request_id, "error")
+                self._done(inflight, "error")
+            with self._cond:
+                self._thread = None
+                if self._inbox:  # requests posted meanwhile get a fresh thread
+                    self._thread = threading.Thread(target=self._run, name="kvstrata-steps", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+            raise
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            waiting = False  # the last step ran nothing: every request waits for its row
+            while True:
+                with self._cond:
+                    while not self._inbox and not self._woken and (waiting or not self.loop.pending):
+                        if not self.loop.pending:
+                            self._thread = None  # idle: the next submit starts a new thread
+                            self._cond.notify_all()
+                            return
+                        self._cond.wait()
+                    inbox, self._inbox = self._inbox, []
+                    self._woken = self._urgent = False
+                for kind, inflight, reason in inbox:
+                    if kind == "submit":
+                        self._add(inflight)
+                    else:
+                        self._end(inflight, reason)
+                waiting = not self._step()
+
+    def _add(self, inflight: InFlight) -> None:
+        if inflight.cancelled:  # cancelled while it was handed over: it never joins
+            self.on_finished(inflight, "cancelled")
+            return
+        request = inflight.request
+        self._live[inflight.request_id] = inflight
+        self.loop.submit(
+            LoopRequest(
+                inflight.request_id,
+                inflight.prompt_ids,
+                request.params.max_tokens,
+                priority=request.priority,
+                pick=inflight.pick,
+                open_row=lambda: self.open_row(inflight),
+            )
+        )
+
+    def _end(self, inflight: InFlight, reason: str) -> None:
+        if self.loop.finish(inflight.request_id, reason) is not None:
+            self._done(inflight, reason)
+
+    def _done(self, inflight: InFlight, reason: str) -> None:
+        self._live.pop(inflight.request_id, None)
+        self.on_finished(inflight, reason)
+
+    def _interrupt(self, plan: StepPlan) -> bool:
+        return self._urgent and not any(slot.priority is Priority.REALTIME for slot in plan.slots)
+
+    def _step(self) -> bool:
+        """Run one step; whether it ran any row."""
+        started = time.perf_counter()
+        try:
+            result = self.loop.step(self._interrupt)
+        except StepInterrupted:
+            self.interrupted_steps += 1
+            self._report(StepReport(self.loop.last_plan, time.perf_counter() - started, interrupted=True))
+            return True
+        except Exception as exc:  # a failed forward pass: its rows were rolled back; they fail
+            log.exception("a batch step failed")
+            for slot in self.loop.last_plan.slots:
+                inflight = self._live.get(slot.request_id)
+                if inflight is not None:
+                    inflight.failure = exc
+                    self._end(inflight, "error")
+            return True
+        seconds = time.perf_counter() - started
+        self.steps += 1
+        logits: dict[str, torch.Tensor] = {}
+        if self.record_logits:
+            logits = {r.request_id: row for (r, _), row in zip(result.tokens, result.logits, strict=True)}
+        for loop_request in result.finished:
+            inflight = self._live[loop_request.request_id]
+            if loop_request.failure is not None and inflight.failure is None:
+                inflight.failure = loop_request.failure
+            self._done(inflight, loop_request.finish_reason or "error")
+        for loop_request, _ in result.tokens:
+            inflight = self._live.get(loop_request.request_id)
+            if inflight is not None and inflight.decoder.finished:
+                self._end(inflight, "stop")  # a stop string or a complete grammar
+        self.counts = self.loop.scheduler.counts()
+        self._report(StepReport(result.plan, seconds, logits=logits))
+        return bool(result.plan.slots)
+
+    def _report(self, report: StepReport) -> None:
+        for listener in self.listeners:
+            try:
+                listener(report)
+            except Exception:  # an observer's bug must not stop the batch
+                log.exception("a step listener failed")
