@@ -51,7 +51,7 @@ import typer
 
 from kvstrata.bench import batching_engine, serving
 from kvstrata.bench.command import JsonOutOption, PlotOption, progress_bar
-from kvstrata.bench.measure import fmt_ms, frozen_heap, parse_int_list, percentile, rotate
+from kvstrata.bench.measure import fmt_s_as_ms, frozen_heap, parse_int_list, percentile, rotate
 from kvstrata.bench.models import prompt_token_ids
 from kvstrata.bench.report import BenchResult, BenchTable
 from kvstrata.errors import ConfigError
@@ -501,15 +501,15 @@ def _tables(data: dict[str, Any], variants: list[str]) -> list[BenchTable]:
                 f"{b['tokens_per_s']:.1f}",
                 f"{b['speedup']:.2f}x",
                 f"{b['speedup_median']:.2f}x",
-                fmt_ms(s["itl_median_s"]),
-                fmt_ms(b["itl_median_s"]),
-                fmt_ms(b["itl_p90_s"]),
-                fmt_ms(b["mixed_step_s"]),
+                fmt_s_as_ms(s["itl_median_s"]),
+                fmt_s_as_ms(b["itl_median_s"]),
+                fmt_s_as_ms(b["itl_p90_s"]),
+                fmt_s_as_ms(b["mixed_step_s"]),
                 "yes" if b["same_tokens"] else f"{b['tokens_agreeing']:.0%}",
             ]
             if PADDED in variants:
                 p = entry[PADDED]
-                row += [f"{p['tokens_per_s']:.1f}", fmt_ms(p["build_s"])]
+                row += [f"{p['tokens_per_s']:.1f}", fmt_s_as_ms(p["build_s"])]
             table.add_row(*row)
         for count, target in TARGETS.items():
             entry = per["sessions"].get(str(count))

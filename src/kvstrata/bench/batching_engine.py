@@ -306,7 +306,7 @@ def _priority_summary(
 def throughput_table(
     dtype: str, model: str, results: dict[str, Any], targets: dict[int, float]
 ) -> BenchTable:
-    from kvstrata.bench.measure import fmt_ms
+    from kvstrata.bench.measure import fmt_s_as_ms
 
     table = BenchTable(
         f"Engine, batched against batching off, {dtype} ({model}; ITL and TTFT in ms)",
@@ -319,10 +319,10 @@ def throughput_table(
             f"{off['tokens_per_s']:.1f}",
             f"{on['tokens_per_s']:.1f}",
             f"{entry['speedup']:.2f}x",
-            fmt_ms(off["itl_median_s"]),
-            fmt_ms(on["itl_median_s"]),
-            fmt_ms(on["itl_p90_s"]),
-            fmt_ms(on["ttft_median_s"]),
+            fmt_s_as_ms(off["itl_median_s"]),
+            fmt_s_as_ms(on["itl_median_s"]),
+            fmt_s_as_ms(on["itl_p90_s"]),
+            fmt_s_as_ms(on["ttft_median_s"]),
         )
     for count, target in targets.items():
         entry = results.get(str(count))
@@ -340,7 +340,7 @@ def throughput_table(
 
 
 def priority_table(dtype: str, model: str, result: dict[str, Any]) -> BenchTable:
-    from kvstrata.bench.measure import fmt_ms
+    from kvstrata.bench.measure import fmt_s_as_ms
 
     table = BenchTable(
         f"A realtime request arriving while {result['background']} background sessions decode, "
@@ -349,13 +349,17 @@ def priority_table(dtype: str, model: str, result: dict[str, Any]) -> BenchTable
     )
     alone, busy = result["unloaded"], result["loaded"]
     table.add_row(
-        "idle engine", fmt_ms(alone["ttft_s"]), fmt_ms(alone["itl_median_s"]), fmt_ms(alone["itl_p90_s"]), "-"
+        "idle engine",
+        fmt_s_as_ms(alone["ttft_s"]),
+        fmt_s_as_ms(alone["itl_median_s"]),
+        fmt_s_as_ms(alone["itl_p90_s"]),
+        "-",
     )
     table.add_row(
         "under load",
-        fmt_ms(busy["ttft_s"]),
-        fmt_ms(busy["itl_median_s"]),
-        fmt_ms(busy["itl_p90_s"]),
+        fmt_s_as_ms(busy["ttft_s"]),
+        fmt_s_as_ms(busy["itl_median_s"]),
+        fmt_s_as_ms(busy["itl_p90_s"]),
         f"{busy['bg_tokens_per_s_during']:.1f} (before: {busy['bg_tokens_per_s_before']:.1f})",
     )
     for key, label in (("ttft", "TTFT"), ("itl", "ITL")):

@@ -106,6 +106,11 @@ def fmt_ms(ms: float) -> str:
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
+def fmt_s_as_ms(seconds: float) -> str:
+    """A duration in seconds, shown in milliseconds as :func:`fmt_ms` shows them."""
+    return fmt_ms(seconds * 1e3)
+
+
 def fmt_gbps(value: float) -> str:
     return "-" if value != value else f"{value:.2f}"
 

@@ -293,7 +293,7 @@ def _median_run(measured: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def peer_table(result: dict[str, Any]) -> BenchTable:
-    from kvstrata.bench.measure import fmt_ms
+    from kvstrata.bench.measure import fmt_s_as_ms
 
     table = BenchTable(
         f"kvstrata serve against vLLM (CPU build), same weights in {result['dtype']}, over HTTP (ms)",
@@ -317,8 +317,8 @@ def peer_table(result: dict[str, Any]) -> BenchTable:
                 n,
                 name,
                 f"{entry['tokens_per_s']:.1f}",
-                *(fmt_ms(entry["ttft_s"][q]) for q in ("50", "90", "99")),
-                *(fmt_ms(entry["itl_s"][q]) for q in ("50", "99")),
+                *(fmt_s_as_ms(entry["ttft_s"][q]) for q in ("50", "90", "99")),
+                *(fmt_s_as_ms(entry["itl_s"][q]) for q in ("50", "99")),
                 f"{entry['cached_tokens']:.0f}/{entry['prompt_tokens']:.0f}",
                 entry["errors"],
             )
