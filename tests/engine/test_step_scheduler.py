@@ -208,3 +208,11 @@ def test_reserved_slots_must_leave_room() -> None:
         StepBudget(max_sequences=2, starvation_slots=2)
     with pytest.raises(ConfigError, match="realtime_max_sequences"):
         StepBudget(starvation_slots=2, realtime_max_sequences=1)
+
+
+def test_the_engine_budget_shares_a_realtime_request_s_steps_with_fewer_rows_in_fp32() -> None:
+    from kvstrata.engine import batch_budget
+
+    assert batch_budget(16).realtime_max_sequences == 2
+    assert batch_budget(16, fp32=True).realtime_max_sequences == 1
+    assert batch_budget(1).max_sequences == 1 and batch_budget(1).starvation_slots == 0

@@ -30,6 +30,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvstrata.engine.batch import BatchedForward, BatchLoop, BatchRow, StepBudget
 from kvstrata.engine.decoder import RequestDecoder
 from kvstrata.engine.grammar import GrammarCompiler
@@ -59,18 +61,20 @@ _COMMIT_RANK = 1
 DEFAULT_MAX_BATCH = 16
 
 
-def batch_budget(max_batch: int = DEFAULT_MAX_BATCH) -> StepBudget:
-    """The step budget of ``max_batch`` rows per step (1: no batching, one row per step)."""
+def batch_budget(max_batch: int = DEFAULT_MAX_BATCH, *, fp32: bool = False) -> StepBudget:
+    """The step budget of ``max_batch`` rows per step (1: no batching, one row per step).
+
+    While a realtime request decodes, other rows share its steps so that the background keeps
+    progressing, but a step's cost grows with its rows on a CPU, and the realtime request's
+    inter-token latency should stay within 1.5x of the idle engine's: two other rows in bf16,
+    one in fp32 (``fp32``), where a row costs more (docs/benchmarks.md, "Continuous batching")."""
     if max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-    # While a realtime request decodes, two other rows share its steps: on a CPU a step's cost
-    # grows with its rows (in fp32 more than in bf16), and its inter-token latency should stay
-    # within 1.5x of the idle engine's (docs/benchmarks.md, "Continuous batching").
     return StepBudget(
         max_sequences=max_batch,
         max_live=max(64, 2 * max_batch),
         starvation_slots=min(1, max_batch - 1),
-        realtime_max_sequences=min(2, max_batch),
+        realtime_max_sequences=min(1 if fp32 else 2, max_batch),
     )
 
 
@@ -134,7 +138,7 @@ class Engine:
             pack_linears(model.model)
         self.memory_modes = modes
         self.queue_limit = queue_limit
-        self.budget = budget or batch_budget(max_batch)
+        self.budget = budget or batch_budget(max_batch, fp32=model.model.dtype == torch.float32)
         eos = model.model.generation_config.eos_token_id
         if eos is None:
             eos = model.tokenizer.eos_token_id
