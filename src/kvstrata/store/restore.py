@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,17 +91,26 @@ class Restorer:
 
         inference = torch.is_inference_mode_enabled()  # thread-local: workers take the caller's
 
+        def room(i: int) -> torch.Tensor:
+            return buffer[:, :, :, i * bt : (i + 1) * bt]
+
         def one(i: int) -> tuple[int, TierLevel] | None:
             with torch.inference_mode(inference):
-                return self.read_into(
-                    keys[i], buffer[:, :, :, i * bt : (i + 1) * bt], copier, priority, max_loss
-                )
+                return self.read_into(keys[i], room(i), copier, priority, max_loss)
 
-        if count > 1:
-            futures = [self._executor().submit(one, i) for i in range(count)]
-            results = [f.result() for f in futures]
-        else:
-            results = [one(0)] if count else []
+        # Blocks in memory are copied here, one after the other (a pool's hand-off costs more than
+        # copying a small block); the others go to the pool as soon as they are found missing, so
+        # their reads overlap with the copies.
+        results: list[tuple[int, TierLevel] | None] = [None] * count
+        elsewhere: dict[int, Future[tuple[int, TierLevel] | None] | None] = {}
+        for i in range(count):
+            hit = self._memory_into(keys[i], room(i), copier, priority, max_loss)
+            if hit is not None:
+                results[i] = hit
+            else:
+                elsewhere[i] = self._executor().submit(one, i) if count > 1 else None
+        for i, future in elsewhere.items():
+            results[i] = future.result() if future is not None else one(i)
         copier.finish()
         got = 0
         by_tier: dict[TierLevel, int] = {}
@@ -145,18 +154,44 @@ class Restorer:
     ) -> tuple[int, TierLevel] | None:
         """Decode ``key`` into the first tokens of ``room`` (one block's worth of the buffer) from
         the highest tier that holds an acceptable copy; (its tokens, the tier) or None."""
+        hit = self._memory_into(key, room, copier, priority, max_loss)
+        if hit is not None:
+            return hit
+        started = time.perf_counter()
+        block, level = self._below_memory(key, max_loss, room, copier)
+        if block is None:
+            self._miss()
+            return None
+        return self._served(key, block, level, room, priority, started)
+
+    def _memory_into(
+        self,
+        key: BlockKey,
+        room: torch.Tensor,
+        copier: DeviceCopier,
+        priority: Priority | None,
+        max_loss: int | None,
+    ) -> tuple[int, TierLevel] | None:
+        """:meth:`read_into` from the memory tiers (or the L3 writer's queue) only; None when
+        none of them holds an acceptable copy (nothing counted then)."""
         started = time.perf_counter()
         with self.tiered.lock:
             source = self._memory_source(key, max_loss, views=True)
-        if source is not None:
-            block, level = source
-            self._decode(block, room, copier)
-        else:
-            found, level = self._below_memory(key, max_loss, room, copier)
-            if found is None:
-                self._miss()
-                return None
-            block = found
+        if source is None:
+            return None
+        block, level = source
+        self._decode(block, room, copier)
+        return self._served(key, block, level, room, priority, started)
+
+    def _served(
+        self,
+        key: BlockKey,
+        block: KVBlock,
+        level: TierLevel,
+        room: torch.Tensor,
+        priority: Priority | None,
+        started: float,
+    ) -> tuple[int, TierLevel]:
         self._hit(key, block, level, priority, True, self._resident(block, room))
         self.tiered.counters.tiers[level].load_seconds += time.perf_counter() - started
         return block.num_tokens, level
