@@ -210,9 +210,33 @@ def test_reserved_slots_must_leave_room() -> None:
         StepBudget(starvation_slots=2, realtime_max_sequences=1)
 
 
-def test_the_engine_budget_shares_a_realtime_request_s_steps_with_fewer_rows_in_fp32() -> None:
+def test_the_engine_budget_shares_a_realtime_request_s_steps_less_often_in_fp32() -> None:
     from kvstrata.engine import batch_budget
 
-    assert batch_budget(16).realtime_max_sequences == 2
-    assert batch_budget(16, fp32=True).realtime_max_sequences == 1
+    assert batch_budget(16).realtime_share_every == 1
+    assert batch_budget(16, fp32=True).realtime_share_every == 3
+    assert batch_budget(16, fp32=True).realtime_max_sequences == 2
     assert batch_budget(1).max_sequences == 1 and batch_budget(1).starvation_slots == 0
+
+
+def test_other_rows_join_one_realtime_step_in_realtime_share_every() -> None:
+    sched = StepScheduler(StepBudget(max_sequences=8, realtime_max_sequences=2, realtime_share_every=3))
+    for i in range(4):
+        sched.submit(f"bg{i}", "background")
+        sched.admit(f"bg{i}", 1)
+    sched.submit("rt", "realtime")
+    sched.admit("rt", 1)
+    shared = []
+    for _ in range(9):
+        plan = sched.plan()
+        ids = plan.request_ids
+        assert "rt" in ids
+        shared.append(len(ids) - 1)
+        sched.complete(plan)
+    # the realtime prefill runs alone; then the others join one step in three, two rows at most
+    assert shared[0] == 0
+    assert [n > 0 for n in shared[1:]] == [True, False, False, True, False, False, True, False]
+    assert max(shared) == 2
+    sched.finish("rt")
+    plan = sched.plan()
+    assert len(plan.request_ids) == 4  # without a realtime request, everyone runs every step

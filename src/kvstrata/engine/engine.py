@@ -64,17 +64,20 @@ DEFAULT_MAX_BATCH = 16
 def batch_budget(max_batch: int = DEFAULT_MAX_BATCH, *, fp32: bool = False) -> StepBudget:
     """The step budget of ``max_batch`` rows per step (1: no batching, one row per step).
 
-    While a realtime request decodes, other rows share its steps so that the background keeps
-    progressing, but a step's cost grows with its rows on a CPU, and the realtime request's
-    inter-token latency should stay within 1.5x of the idle engine's: two other rows in bf16,
-    one in fp32 (``fp32``), where a row costs more (docs/benchmarks.md, "Continuous batching")."""
+    While a realtime request decodes, two rows of the other classes share its steps so that the
+    background keeps progressing; but a step's cost grows with its rows on a CPU, and the
+    realtime request's inter-token latency should stay within 1.5x of the idle engine's. In
+    fp32 (``fp32``), where a row costs much more than in bf16 (two rows' step about 1.9x one
+    row's on this project's machine), they share one step in three (docs/benchmarks.md,
+    "Continuous batching")."""
     if max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
     return StepBudget(
         max_sequences=max_batch,
         max_live=max(64, 2 * max_batch),
         starvation_slots=min(1, max_batch - 1),
-        realtime_max_sequences=min(1 if fp32 else 2, max_batch),
+        realtime_max_sequences=min(2, max_batch),
+        realtime_share_every=3 if fp32 else 1,
     )
 
 

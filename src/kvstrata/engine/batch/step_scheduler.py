@@ -26,12 +26,13 @@ tokens, a decode costs one token, a prefill chunk its length):
 
 While a realtime request is live, the rows of the lower classes are held to
 ``realtime_max_sequences`` / ``realtime_max_tokens`` (the realtime rows themselves to the full
-budget): a step's cost grows with its rows, and a realtime request's inter-token latency should
-stay near its unloaded one. While a realtime request prefills (``realtime_prefill_alone``), the
-step holds nothing else but the starving requests' reserved rows: its time to first token is
-then that of its prefill alone, and the others lose one step. A live request that does not fit
-is *paused*: it keeps its KV (the engine may demote it) and runs again when there is room; a
-paused request that ran in the previous step counts as a preemption of its class.
+budget), and join one step in ``realtime_share_every``: a step's cost grows with its rows, and a
+realtime request's inter-token latency should stay near its unloaded one. While a realtime request
+prefills (``realtime_prefill_alone``), the step holds nothing else but the starving requests'
+reserved rows: its time to first token is then that of its prefill alone, and the others lose one
+step. A live request that does not fit is *paused*: it keeps its KV (the engine may demote it) and
+runs again when there is room; a paused request that ran in the previous step counts as a
+preemption of its class.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class StepBudget:
     """While a realtime request is live: rows per step for everything else, starving included."""
     realtime_max_tokens: int = 256
     """While a realtime request is live: tokens per step for everything else."""
+    realtime_share_every: int = 1
+    """While a realtime request is live, everything else runs in one step of every this many
+    (1: every step). Where a row costs much (fp32 on a CPU), the realtime request's steps then
+    stay as short as its own, but for the one that others share."""
     realtime_prefill_alone: bool = True
     """While a realtime request prefills: no other rows but the reserved starving ones."""
 
@@ -84,6 +89,7 @@ class StepBudget:
             "starvation_steps",
             "realtime_max_sequences",
             "realtime_max_tokens",
+            "realtime_share_every",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -167,6 +173,8 @@ class StepScheduler:
         self._order = itertools.count()
         self._ran_last: set[str] = set()
         self._pending: StepPlan | None = None
+        self._others_shared = -(1 << 62)
+        """The last step a realtime request shared with rows of the other classes."""
         self.preemptions: dict[Priority, int] = {p: 0 for p in Priority}
 
     # -- requests coming and going -----------------------------------------------------------
@@ -212,6 +220,7 @@ class StepScheduler:
         budget = self.budget
         live = [e for e in self._entries.values() if e.live]
         realtime_live = any(e.priority is Priority.REALTIME for e in live)
+        share = self.step - self._others_shared >= budget.realtime_share_every
         realtime_prefill = budget.realtime_prefill_alone and any(
             e.priority is Priority.REALTIME and e.phase is Phase.PREFILL for e in live
         )
@@ -239,7 +248,7 @@ class StepScheduler:
                 continue
             room = budget.max_tokens - tokens
             if realtime_live and not is_realtime:
-                if other_rows >= budget.realtime_max_sequences:
+                if other_rows >= budget.realtime_max_sequences or not share:
                     continue
                 room = min(room, budget.realtime_max_tokens - other_tokens)
             slot = self._slot(entry, room, chunked=entry.priority is not Priority.REALTIME)
@@ -271,6 +280,9 @@ class StepScheduler:
             if entry is not None:
                 self.preemptions[entry.priority] += 1
         self._ran_last = {slot.request_id for slot in plan.slots if slot.request_id in self._entries}
+        priorities = {slot.priority for slot in plan.slots}
+        if Priority.REALTIME in priorities and len(priorities) > 1:
+            self._others_shared = plan.step
         self._pending = None
         self.step += 1
 
