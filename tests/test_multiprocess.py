@@ -205,3 +205,61 @@ def test_many_writers_with_kill9_and_gc_beside_them_lose_nothing_checkpointed(tm
         assert on_disk == indexed  # no orphan file, no row without its file
         assert store.counters.corrupt_blocks == 0
     assert not list((root / "quarantine").iterdir())
+
+
+_OPEN_RACE_CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from kvstrata import KVStore, StoreConfig
+from conftest import LAYOUT
+for i in range({rounds}):
+    time.sleep(max(0.0, {start} + i * 0.4 - time.time()))
+    try:
+        KVStore({root!r} + f"/{{i}}", LAYOUT, model_fingerprint=b"test-model", config=StoreConfig()).close()
+        print("ok", i, flush=True)
+    except Exception as exc:
+        print("failed", i, type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_processes_creating_one_new_store_at_the_same_moment_all_open_it(tmp_path: Path) -> None:
+    """vLLM's tensor-parallel workers open a new store_dir at once: the first open of a store by
+    several processes (index created, marked, its layout recorded) is one transaction, so none of
+    them sees a half-made index ("an SQLite file that kvstrata did not create")."""
+    rounds, procs = 8, 4
+    start = time.time() + 12  # every child imported kvstrata by then, even on a loaded machine
+    code = _OPEN_RACE_CHILD.format(
+        tests=str(Path(__file__).parent), root=str(tmp_path), rounds=rounds, start=start
+    )
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(procs)
+    ]
+    outputs = [child.communicate(timeout=120) for child in children]
+    lines = [line for out, _ in outputs for line in out.splitlines()]
+    assert [line for line in lines if not line.startswith("ok")] == [], [err[-2000:] for _, err in outputs]
+    assert len(lines) == rounds * procs
+    for i in range(rounds):
+        with _store(tmp_path / str(i)) as store:
+            assert store.layout == LAYOUT
+
+
+def test_an_sqlite_file_kvstrata_did_not_create_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    import sqlite3
+
+    from kvstrata.errors import StoreFormatError
+
+    root = tmp_path / "store"
+    root.mkdir()
+    foreign = sqlite3.connect(root / "index.sqlite")
+    foreign.execute("CREATE TABLE notes (text TEXT)")
+    foreign.execute("INSERT INTO notes VALUES ('mine')")
+    foreign.commit()
+    foreign.close()
+    before = (root / "index.sqlite").read_bytes()
+    with pytest.raises(StoreFormatError, match="did not create"):
+        _store(root)
+    assert (root / "index.sqlite").read_bytes() == before  # not switched to WAL, not marked
+    assert not (root / "index.sqlite-wal").exists()

@@ -21,6 +21,7 @@ from kvstrata.layout import KVLayout
 
 INDEX_FORMAT_VERSION = 2
 APPLICATION_ID = 0x4B565354  # "KVST": marks the SQLite file as ours
+_OPEN_TIMEOUT_S = 30.0
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
 
@@ -41,17 +42,52 @@ class IndexDB:
                 )
             else:
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-                app_id = self._db.execute("PRAGMA application_id").fetchone()[0]
-                has_tables = self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
-                if has_tables and app_id != APPLICATION_ID:
-                    raise StoreFormatError(f"{path} is an SQLite file that kvstrata did not create")
-                self._db.execute("PRAGMA journal_mode=WAL")
+                self._prepare(_OPEN_TIMEOUT_S)
+        except sqlite3.DatabaseError as exc:
+            raise StoreFormatError(f"{path}: not a readable kvstrata index ({exc})") from exc
+
+    def _prepare(self, timeout_s: float) -> None:
+        """Check that the file is ours (or new), switch it to WAL and mark it. Several processes
+        may create the same new store at once (vLLM's tensor-parallel workers): each check reads
+        one snapshot, the mark is set under the write lock, and a step that finds the file
+        locked by another process's first open (switching the journal mode does not wait for a
+        lock) is tried again until ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if not self._ours("BEGIN") and self._has_tables():
+                    raise StoreFormatError(f"{self.path} is an SQLite file that kvstrata did not create")
+                if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self._db.execute("PRAGMA journal_mode=WAL")
                 # NORMAL is durable across process crashes in WAL mode; only power loss can drop the
                 # last commits, and those then point at files that were already fsynced.
                 self._db.execute("PRAGMA synchronous=NORMAL")
-                self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
-        except sqlite3.DatabaseError as exc:
-            raise StoreFormatError(f"{path}: not a readable kvstrata index ({exc})") from exc
+                if not self._ours("BEGIN IMMEDIATE"):
+                    self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                    self._db.execute("COMMIT")
+                return
+            except sqlite3.OperationalError as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def _ours(self, begin: str) -> bool:
+        """Whether the file is marked as a kvstrata index, read in a transaction started with
+        ``begin`` and left open when it is not (the caller then marks it, or fails and closes)."""
+        self._db.execute(begin)
+        ours = self._db.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+        if ours:
+            self._db.execute("COMMIT")
+        return ours
+
+    def _has_tables(self) -> bool:
+        """Whether the file holds tables (in the transaction :meth:`_ours` left open, which ends)."""
+        try:
+            return self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
+        finally:
+            self._db.execute("COMMIT")
 
     # -- statements ------------------------------------------------------------------------------
     def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
@@ -122,16 +158,19 @@ class IndexDB:
                 raise StoreFormatError(
                     f"{self.path.parent} is not a kvstrata store (no index yet) and no layout given"
                 )
-            with self.transaction() as db:
-                db.executemany(
-                    "INSERT INTO meta(name, value) VALUES (?, ?)",
-                    [
-                        ("format_version", str(INDEX_FORMAT_VERSION)),
-                        ("layout", layout.to_json()),
-                        ("created", repr(time.time())),
-                    ],
-                )
-            return layout, INDEX_FORMAT_VERSION
+            with self.transaction() as db:  # another process may record it first: read again
+                meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
+                if not meta:
+                    db.executemany(
+                        "INSERT INTO meta(name, value) VALUES (?, ?)",
+                        [
+                            ("format_version", str(INDEX_FORMAT_VERSION)),
+                            ("layout", layout.to_json()),
+                            ("created", repr(time.time())),
+                        ],
+                    )
+            if not meta:
+                return layout, INDEX_FORMAT_VERSION
         version = int(meta.get("format_version", "0"))
         if not 1 <= version <= INDEX_FORMAT_VERSION:
             raise StoreFormatError(

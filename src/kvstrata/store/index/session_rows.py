@@ -95,10 +95,11 @@ class SessionTable:
 
     def migrate(self) -> None:
         """Add the columns of later formats to a store created before them (writers only)."""
-        present = self.db.columns("sessions")
-        for name, (_, ddl) in ADDED_COLUMNS.items():
-            if name not in present:
-                self.db.execute(f"ALTER TABLE sessions ADD COLUMN {name} {ddl}")
+        with self.db.transaction() as db:  # one process adds them, the others then see them
+            present = {r[1] for r in db.execute("PRAGMA table_info(sessions)").fetchall()}
+            for name, (_, ddl) in ADDED_COLUMNS.items():
+                if name not in present:
+                    db.execute(f"ALTER TABLE sessions ADD COLUMN {name} {ddl}")
         self._select = ", ".join(COLUMNS)
 
     def put(self, row: SessionRow) -> None:
