@@ -215,7 +215,8 @@ from conftest import LAYOUT
 for i in range({rounds}):
     time.sleep(max(0.0, {start} + i * 0.4 - time.time()))
     try:
-        KVStore({root!r} + f"/{{i}}", LAYOUT, model_fingerprint=b"test-model", config=StoreConfig()).close()
+        config = StoreConfig({config})
+        KVStore({root!r} + f"/{{i}}", LAYOUT, model_fingerprint=b"test-model", config=config).close()
         print("ok", i, flush=True)
     except Exception as exc:
         print("failed", i, type(exc).__name__, exc, flush=True)
@@ -229,7 +230,7 @@ def test_processes_creating_one_new_store_at_the_same_moment_all_open_it(tmp_pat
     rounds, procs = 8, 4
     start = time.time() + 12  # every child imported kvstrata by then, even on a loaded machine
     code = _OPEN_RACE_CHILD.format(
-        tests=str(Path(__file__).parent), root=str(tmp_path), rounds=rounds, start=start
+        tests=str(Path(__file__).parent), root=str(tmp_path), rounds=rounds, start=start, config=""
     )
     children = [
         subprocess.Popen(
@@ -263,3 +264,25 @@ def test_an_sqlite_file_kvstrata_did_not_create_is_refused_and_left_as_it_was(tm
         _store(root)
     assert (root / "index.sqlite").read_bytes() == before  # not switched to WAL, not marked
     assert not (root / "index.sqlite-wal").exists()
+
+
+def test_a_key_recorded_by_another_process_since_this_one_looked_is_not_overwritten(tmp_path: Path) -> None:
+    """Two processes open a new encrypted store at once with different keys: both find no check
+    value, then both record theirs. The interleaving is made deterministic here: the first
+    process's value is already in the index when the second, which saw none, records its own."""
+    from kvstrata.crypto import Keyring
+    from kvstrata.errors import EncryptionKeyError
+    from kvstrata.store.index import Index
+    from kvstrata.store.keycheck import KEY_CHECK_META, check_encryption_key
+
+    root = tmp_path / "store"
+    root.mkdir()
+    index = Index(root / "index.sqlite", LAYOUT)
+    first, second = b"\x01" * 32, b"\x02" * 32
+    index.set_meta(KEY_CHECK_META, Keyring(first).check_value())  # the other process won
+    index.get_meta = lambda name: None  # type: ignore[method-assign]  # ... after this one looked
+    with pytest.raises(EncryptionKeyError, match="another process opened it with another key"):
+        check_encryption_key(root, index, second, read_only=False)
+    del index.get_meta
+    assert index.get_meta(KEY_CHECK_META) == Keyring(first).check_value()
+    index.close()

@@ -48,7 +48,14 @@ def check_encryption_key(root: Path, index: Index, key: bytes | None, *, read_on
             f"wrong encryption key for store {root}: its sealed blocks do not open with it; nothing was "
             "changed (set the right KVSTRATA_ENCRYPTION_KEY)"
         )
-    index.set_meta(KEY_CHECK_META, value)
+    with index.transaction() as db:  # two processes opening a new store at once: the first one's key
+        db.execute("INSERT OR IGNORE INTO meta(name, value) VALUES (?, ?)", (KEY_CHECK_META, value))
+        recorded = db.execute("SELECT value FROM meta WHERE name = ?", (KEY_CHECK_META,)).fetchone()[0]
+    if recorded != value:
+        raise EncryptionKeyError(
+            f"wrong encryption key for store {root}: another process opened it with another key "
+            "first; nothing was read or changed (set the right KVSTRATA_ENCRYPTION_KEY)"
+        )
 
 
 def _opens_a_sealed_block(root: Path, index: Index, keyring: Keyring) -> bool:
