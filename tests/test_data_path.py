@@ -20,9 +20,9 @@ from kvstrata.config import NamespaceQuota
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.tiers.base import TierLevel
-from kvstrata.store.tiers.disk import parse_file_name
 
 from conftest import LAYOUT, token_kv
+from stored import files_and_index
 
 Factory = Callable[..., KVStore]
 RECORD = LAYOUT.bytes_per_block + 92 + 4  # a full block's .kvbin file, identity codec
@@ -145,15 +145,14 @@ def test_kill9_during_eviction_leaves_no_dangling_row_and_gc_no_orphan(tmp_path:
         config = StoreConfig(ladder=CodecLadder.exact(), l3_budget_bytes=20 * RECORD)
         with KVStore(root, LAYOUT, model_fingerprint=b"test-model", config=config) as store:
             for row in store.disk.rows():
-                assert store.disk.path_for(row.key, row.cold, row.file_id).exists(), f"trial {trial}"
+                assert store.disk.path_of(row.key).exists(), f"trial {trial}"  # type: ignore[union-attr]
             for info in store.list_sessions():  # readable, or cleanly recomputed from a block
                 loaded = store.load(store.session(info.id))
                 n = loaded.num_tokens
                 if n:
                     assert torch.equal(loaded.kv, token_kv(LAYOUT, store.session(info.id).token_ids[:n]))  # type: ignore[arg-type]
             collect_garbage(store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
-            indexed = {(r.key, r.file_id, r.cold) for r in store.disk.rows()}
-            on_disk = {(*parse_file_name(p.name), cold) for p, cold in store.disk.iter_files()}  # type: ignore[misc]
+            on_disk, indexed = files_and_index(store)
             assert on_disk == indexed, f"trial {trial}"
 
 

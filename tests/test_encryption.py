@@ -23,6 +23,7 @@ from kvstrata.store.tiers.remote import RemoteConfig
 
 from conftest import LAYOUT, make_block, token_kv
 from redis_servers import RedisServer
+from stored import record_files
 
 Factory = Callable[..., KVStore]
 KEY = bytes(range(32))
@@ -63,7 +64,7 @@ def test_encrypted_store_round_trip_restart_and_missing_key(open_store: Factory,
     store.append(session, tokens, kv)
     store.checkpoint(session)
     store.flush()
-    files = sorted(root.glob("hot/*/*.kvbin"))
+    files = record_files(root)
     assert files and all(kv[:, :, :, :4].numpy().tobytes()[:64] not in f.read_bytes() for f in files)
     store.close()
 
@@ -125,7 +126,7 @@ def test_wrong_or_missing_key_is_refused_at_open_and_changes_nothing(
         store.checkpoint(session)
         expected[f"s{i}"] = token_kv(LAYOUT, tokens)
     store.close()
-    before = sorted((p.name, p.stat().st_size) for p in root.rglob("*.kvbin"))
+    before = sorted((p.name, p.stat().st_size) for p in record_files(root))
     wrong = bytes(range(1, 33))
     for config in ({"encryption_key": wrong}, {}):
         with pytest.raises(EncryptionKeyError) as refused:
@@ -135,7 +136,7 @@ def test_wrong_or_missing_key_is_refused_at_open_and_changes_nothing(
         )  # one line, naming the store
     with pytest.raises(EncryptionKeyError, match="wrong encryption key"):
         KVStore(root, read_only=True, config=StoreConfig(encryption_key=wrong))
-    assert sorted((p.name, p.stat().st_size) for p in root.rglob("*.kvbin")) == before
+    assert sorted((p.name, p.stat().st_size) for p in record_files(root)) == before
     assert not list((root / "quarantine").iterdir())
     again = open_store(root, encryption_key=KEY, l1_budget_bytes=0, l2_budget_bytes=0)
     for sid, kv in expected.items():

@@ -22,6 +22,8 @@ from kvstrata.integrations.transformers.model import LoadedModel, load_model, sa
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store.tiers.base import TierLevel
 
+from stored import flip_byte, live_records
+
 BLOCK_TOKENS = 16
 SYSTEM = "You are a careful assistant. " * 5
 Opener = Callable[..., KVStore]
@@ -147,7 +149,7 @@ def test_system_prompt_blocks_are_stored_once_and_shared(tiny: LoadedModel, open
         assert response.cached_tokens == shared_tokens
         assert response.prefill_tokens == response.prompt_tokens - shared_tokens
     store.flush()
-    files = sorted(p.name[:64] for p in (store.root / "hot").rglob("*.kvbin"))  # <key hex>.<file id>.kvbin
+    files = sorted(key for key, _, _ in live_records(store))  # every record the index names
     assert len(files) == len(set(files))
     shared_keys = store.block_key_chain("default", prompts[0][:shared_tokens])
     sessions = [store.session(f"agent-{i}") for i in range(3)]
@@ -177,11 +179,8 @@ def test_corrupt_block_is_recomputed(tiny: LoadedModel, open_store: Opener) -> N
     store = open_store()
     first = Engine(tiny, store).chat("s", turn1(), max_new_tokens=12)
     victim_key = store.session("s").block_keys[2]
+    flip_byte(store, victim_key, store.disk.block_bytes(victim_key) // 2)
     store.close()
-    path = next((store.root / "hot").rglob(f"{victim_key.hex()}*.kvbin"))
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
 
     store = open_store()
     messages = turn2(first)

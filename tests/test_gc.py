@@ -8,13 +8,16 @@ from kvstrata import GcConfig, KVStore
 from kvstrata.store.lifecycle import collect_garbage
 
 from conftest import LAYOUT, make_block, token_kv
+from stored import live_records, record_files
 
 Factory = Callable[..., KVStore]
 DAY = 86_400.0
 
 
-def _files(root: Path, sub: str) -> list[Path]:
-    return sorted((root / sub).rglob("*.kvbin"))
+def _stored(store: KVStore, sub: str) -> list[tuple[str, Path, int]]:
+    """The live records under ``sub`` ("hot": block files in hot/ and segments; "cold")."""
+    subs = ("hot", "segments") if sub == "hot" else (sub,)
+    return [r for s in subs for r in live_records(store, s)]
 
 
 def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
@@ -33,7 +36,7 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
     stray = make_block(LAYOUT, 42)  # a block no session references
     store.tiered.put(stray)
     store.flush()
-    assert len(_files(root, "hot")) == 3 * 2 + 1
+    assert len(_stored(store, "hot")) == 3 * 2 + 1
     (root / "hot" / "zz").mkdir()
     orphan = root / "hot" / "zz" / ("ab" * 32 + ".kvbin")
     orphan.write_bytes(b"never committed")
@@ -50,7 +53,8 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
     assert report.blocks_moved_cold == 0
 
     report = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3 * DAY)
-    assert report.blocks_moved_cold == 4 and len(_files(root, "cold")) == 4 and not _files(root, "hot")
+    assert report.blocks_moved_cold == 4 and len(_stored(store, "cold")) == 4 and not _stored(store, "hot")
+    assert not record_files(root, "hot") and not record_files(root, "segments")  # emptied segments went
     store.close()
     reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     loaded = reopened.load(reopened.session("keep"))

@@ -16,9 +16,9 @@ import torch
 from kvstrata import GcConfig, KVStore, SessionBusyError, StoreConfig
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store.lifecycle import collect_garbage
-from kvstrata.store.tiers.disk import parse_file_name
 
 from conftest import LAYOUT, token_kv
+from stored import files_and_index
 
 WORKER = Path(__file__).with_name("multiproc_worker.py")
 _PY_CHILD = """
@@ -200,8 +200,7 @@ def test_many_writers_with_kill9_and_gc_beside_them_lose_nothing_checkpointed(tm
             assert session.token_ids == tokens, sid
             loaded = store.load(session)
             assert loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens)), sid
-        indexed = {(r.key, r.file_id, r.cold) for r in store.disk.rows()}
-        on_disk = {(*parse_file_name(p.name), cold) for p, cold in store.disk.iter_files()}  # type: ignore[misc]
+        on_disk, indexed = files_and_index(store)
         assert on_disk == indexed  # no orphan file, no row without its file
         assert store.counters.corrupt_blocks == 0
     assert not list((root / "quarantine").iterdir())

@@ -25,6 +25,7 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, make_block, token_kv
+from stored import flip_byte, overwrite_record, record_bytes, records
 
 Factory = Callable[..., KVStore]
 BLOCK = LAYOUT.bytes_per_block
@@ -32,10 +33,6 @@ BLOCK = LAYOUT.bytes_per_block
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in (root / "hot").rglob("*.kvbin")) + sorted((root / "cold").rglob("*.kvbin"))
 
 
 @pytest.mark.parametrize("level", [TierLevel.L1, TierLevel.L2, TierLevel.L3])
@@ -127,9 +124,9 @@ def test_deduplication_within_and_across_namespaces(open_store: Factory, tmp_pat
         store.append(session, tokens, token_kv(layout, tokens))
         store.checkpoint(session)
     store.flush()
-    files = _files(tmp_path / "store")
+    stored = records(tmp_path / "store")
     # ns-a: 15 shared full blocks + 2 distinct tails; ns-b: its own 15 blocks + 1 tail
-    assert len(files) == 2 * full_prefix_blocks + 3
+    assert len(stored) == len({key for key, _, _ in stored}) == 2 * full_prefix_blocks + 3
     a1, a2 = store.session("one", "ns-a"), store.session("two", "ns-a")
     assert a1.block_keys == a2.block_keys and a1.tail_key != a2.tail_key
     assert not set(a1.block_keys) & set(store.session("three", "ns-b").block_keys)
@@ -152,7 +149,7 @@ def test_fork_shares_blocks_copy_on_write(open_store: Factory, tmp_path: Path) -
     assert torch.equal(store.load(child).kv, token_kv(LAYOUT, [*tokens, 50, 51]))  # type: ignore[arg-type]
     store.flush()
     # 2 shared full blocks; parent tail (8,9,60); child's 3rd block (8,9,50,51) is full
-    assert len(_files(tmp_path / "store")) == 2 + 1 + 1 + 1  # + the tail (8, 9) written before the fork
+    assert len(records(tmp_path / "store")) == 2 + 1 + 1 + 1  # + the tail (8, 9) written before the fork
 
 
 def test_truncate_for_edited_history(open_store: Factory) -> None:
@@ -247,10 +244,7 @@ def test_corrupt_file_is_quarantined_and_treated_as_missing(open_store: Factory,
     block = make_block(LAYOUT, 3)
     store.tiered.put(block)
     store.flush()
-    (path,) = _files(tmp_path / "store")
-    data = bytearray(path.read_bytes())
-    data[200] ^= 0x10
-    path.write_bytes(bytes(data))
+    path = flip_byte(store, block.key)
     assert store.tiered.get(block.key) is None
     assert store.counters.corrupt_blocks == 1
     assert not path.exists() and len(list((tmp_path / "store" / "quarantine").iterdir())) == 1
@@ -263,13 +257,16 @@ def test_missing_file_is_lost_not_a_crash(open_store: Factory, tmp_path: Path) -
     session = store.create_session("s")
     store.append(session, list(range(9)), token_kv(LAYOUT, list(range(9))))
     store.checkpoint(session)
+    keys = [*session.block_keys, session.tail_key]
+    victim = store.disk.path_of(keys[0])
+    sharing = [k for k in keys if store.disk.path_of(k) == victim]  # a segment holds them all
     store.close()
-    victim = _files(tmp_path / "store")[0]
+    assert victim is not None
     victim.unlink()
     reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     loaded = reopened.load(reopened.session("s"))
-    assert loaded.missing_from_token is not None and loaded.num_tokens < 9
-    assert len(reopened.disk.lost) == 1
+    assert loaded.missing_from_token == 0 and loaded.num_tokens == 0
+    assert reopened.disk.lost == set(sharing)
 
 
 def test_disk_full_is_reported_once_and_writing_resumes(
@@ -362,7 +359,7 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         session = store.create_session("s")
         store.append(session, tokens, token_kv(layout, tokens))
         store.checkpoint(session)
-        foreign_files.append(store.disk.path_of(session.block_keys[1]).read_bytes())
+        foreign_files.append(record_bytes(store, session.block_keys[1]))
         store.close()
     for i, foreign in enumerate(foreign_files):
         store = open_store(tmp_path / f"mine{i}", l1_budget_bytes=0, l2_budget_bytes=0)
@@ -370,7 +367,7 @@ def test_foreign_block_files_are_never_used(open_store: Factory, tmp_path: Path)
         store.append(session, tokens, token_kv(LAYOUT, tokens))
         store.checkpoint(session)
         store.flush()
-        store.disk.path_of(session.block_keys[1]).write_bytes(foreign)
+        overwrite_record(store, session.block_keys[1], foreign)
         loaded = store.load(session)
         assert loaded.missing_from_token == 4 and loaded.num_tokens == 4  # stops before the foreign block
         assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens[:4]))  # type: ignore[arg-type]

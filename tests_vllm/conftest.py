@@ -143,18 +143,25 @@ def wait_indexed(root: Path, keys: list[bytes], timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-def block_file(store: Path, key: bytes) -> Path:
-    """The block's file now (each write of a key gets a file of its own: <key>.<file id>.kvbin)."""
-    found = sorted((store / "hot" / key.hex()[:2]).glob(f"{key.hex()}*.kvbin"))
-    assert found, f"no file for block {key.hex()} in {store}"
-    return found[-1]
+def block_file(store: Path, key: bytes) -> tuple[Path, int, int]:
+    """Where the block's record is now: (file, offset, bytes); a checkpoint's blocks share one
+    segment file, a block written alone has a file of its own (offset 0)."""
+    from kvstrata import KVStore, StoreConfig
+
+    with KVStore(store, read_only=True, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)) as kv:
+        found = kv.disk.locate(key)  # type: ignore[arg-type]
+    assert found is not None, f"no record for block {key.hex()} in {store}"
+    return found
 
 
-def corrupt(path: Path) -> None:
-    """Flip one byte in the middle of a block file (its payload): its CRC32C no longer matches."""
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x5A
-    path.write_bytes(bytes(data))
+def corrupt(record: tuple[Path, int, int]) -> None:
+    """Flip one byte in the middle of a block's record (its payload): its CRC32C no longer matches."""
+    path, offset, nbytes = record
+    with open(path, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte ^ 0x5A]))
 
 
 def run_job(work_dir: Path, name: str, phases: list[dict]) -> list[dict]:

@@ -212,7 +212,7 @@ def test_a_corrupt_block_is_a_load_error_and_recomputed(after_sigkill, root: Pat
     # the damaged file was set aside, and the recomputed block saved again, intact: the next
     # request loads every block
     quarantined = [p.name for p in (store_path(root) / "quarantine").iterdir()]
-    assert any(name.startswith(after_sigkill["damaged"].name) for name in quarantined)
+    assert any(name.startswith(after_sigkill["damaged_key"].hex()) for name in quarantined)
     again = after_sigkill["replies"]["q1-again"]
     assert again.cached_tokens == 2 * BLOCK
     assert again.tokens == baseline["q1"]

@@ -190,7 +190,12 @@ class GcConfig:
     grace_s: float = 600.0
     """Unindexed files younger than this are left alone (another process sharing the store may be
     between writing one and committing its row); no unreferenced block younger than this goes."""
+    compact_hole_fraction: float | None = None
+    """Compact L3 segments at least this much holes (deleted blocks' records), copying their live
+    records into new segments (``kvstrata gc --compact``); None: no compaction."""
 
     def __post_init__(self) -> None:
         if self.cold_after_s < 0 or self.retention_s < 0 or self.grace_s < 0 or self.unreferenced_after_s < 0:
             raise ConfigError("gc ages must be >= 0")
+        if self.compact_hole_fraction is not None and not 0.0 < self.compact_hole_fraction <= 1.0:
+            raise ConfigError(f"compact_hole_fraction must be in (0, 1], got {self.compact_hole_fraction}")

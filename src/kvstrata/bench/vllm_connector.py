@@ -204,7 +204,9 @@ class StoreProbe:
 
     def drop_page_cache(self) -> int:
         dropped = 0
-        for path in self._path().rglob("*.kvbin"):
+        for path in self._path().rglob("*.kv*"):
+            if path.suffix not in (".kvbin", ".kvseg"):
+                continue
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -17,6 +17,7 @@ from kvstrata.config import DAY_S, GcConfig
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, KVStrataError, LayoutMismatchError
 from kvstrata.store.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
 from kvstrata.store.lifecycle import collect_garbage
+from kvstrata.store.tiers.disk_files import SEGMENT_SUFFIX
 
 store_app = typer.Typer(help="Inspect a store.", no_args_is_help=True)
 
@@ -33,15 +34,38 @@ def _human(n: int | None) -> str:
 
 
 def inspect(
-    file: Annotated[Path, typer.Argument(help="A .kvbin block file.", exists=False)],
+    file: Annotated[
+        Path,
+        typer.Argument(help="A .kvbin block file, or a .kvseg segment (every record in it).", exists=False),
+    ],
     json_out: JsonOption = False,
 ) -> None:
-    """Print a block file's header and verify its CRC32C; exit 1 with one line on corruption."""
+    """Print a block file's header and verify its CRC32C (a segment: each of its records); exit 1
+    with one line per damaged record."""
     try:
         data = file.read_bytes()
     except OSError as exc:
         err_console.print(f"{file}: cannot read: {exc.strerror}")
         raise typer.Exit(1) from exc
+    if file.suffix == SEGMENT_SUFFIX:
+        _inspect_segment(file, data, json_out)
+        return
+    info = _record_info(data, file)
+    if isinstance(info, str):
+        err_console.print(f"corrupt: {info}", markup=False, highlight=False)
+        raise typer.Exit(1)
+    info = {"file": str(file), **info}
+    if json_out:
+        print_json(info)
+        return
+    table = Table(show_header=False, title=str(file))
+    for k, v in info.items():
+        table.add_row(k, str(v))
+    console.print(table)
+
+
+def _record_info(data: bytes | memoryview, file: Path) -> dict[str, object] | str:
+    """One record's header fields, its CRC32C verified; the error's text when it is damaged."""
     sealed = False
     try:
         header, _ = decode_record(data, path=file)
@@ -52,10 +76,8 @@ def inspect(
         header = dataclasses.replace(header, namespace=namespace)
         sealed = True
     except (CorruptBlockError, LayoutMismatchError) as exc:
-        err_console.print(f"corrupt: {exc}", markup=False, highlight=False)
-        raise typer.Exit(1) from exc
-    info = {
-        "file": str(file),
+        return str(exc)
+    return {
         "format_version": header.version,
         "layout_fingerprint": header.layout_fingerprint.hex(),
         "key": header.key.hex(),
@@ -68,13 +90,47 @@ def inspect(
         "created": dt.datetime.fromtimestamp(header.created_ns / 1e9, dt.UTC).isoformat(),
         "crc32c": "ok",
     }
+
+
+def _inspect_segment(file: Path, data: bytes, json_out: bool) -> None:
+    """Every record of a segment (deleted blocks' records included: the index says which are
+    live), each verified on its own; exit 1 if any is damaged or the file does not parse."""
+    view = memoryview(data)
+    records: list[dict[str, object]] = []
+    damaged: list[str] = []
+    offset = 0
+    while offset < len(view):
+        try:
+            header = parse_header(view[offset:], file)
+        except CorruptBlockError as exc:
+            damaged.append(f"offset {offset}: {exc} (the rest of the file cannot be walked)")
+            break
+        info = _record_info(view[offset : offset + header.total_bytes], file)
+        if isinstance(info, str):
+            damaged.append(f"offset {offset}: {info}")
+            info = {"key": header.key.hex(), "crc32c": "BAD"}
+        records.append({"offset": offset, "bytes": header.total_bytes, **info})
+        offset += header.total_bytes
     if json_out:
-        print_json(info)
-        return
-    table = Table(show_header=False, title=str(file))
-    for k, v in info.items():
-        table.add_row(k, str(v))
-    console.print(table)
+        print_json({"file": str(file), "records": records, "damaged": damaged})
+    else:
+        table = Table(title=f"{file} (segment: {len(records)} records)")
+        for col in ("offset", "bytes", "key", "tokens", "codec", "crc32c"):
+            table.add_column(col, justify="left" if col in ("key", "codec") else "right")
+        for r in records:
+            table.add_row(
+                str(r["offset"]),
+                str(r["bytes"]),
+                str(r["key"])[:16] + "…",
+                str(r.get("num_tokens", "?")),
+                str(r.get("codec", "?")),
+                str(r["crc32c"]),
+            )
+        console.print(table)
+    for line in damaged:
+        err_console.print(f"corrupt: {line}", markup=False, highlight=False)
+    if damaged:
+        raise typer.Exit(1)
 
 
 @store_app.command("stats")
@@ -138,12 +194,28 @@ def gc(
         float,
         typer.Option(help="Delete blocks no session names (a vLLM connector's cache) idle this long."),
     ] = 24.0,
+    compact: Annotated[
+        bool,
+        typer.Option(
+            "--compact",
+            help="Also rewrite L3 segments that are mostly holes (deleted blocks), giving the space back.",
+        ),
+    ] = False,
+    compact_holes: Annotated[
+        float, typer.Option(help="With --compact: the share of holes from which a segment is rewritten.")
+    ] = 0.5,
     json_out: JsonOption = False,
 ) -> None:
-    """Age blocks to cold/, expire sessions (TTL, retention), delete unreferenced blocks."""
+    """Age blocks to cold/, expire sessions (TTL, retention), delete unreferenced blocks; with
+    --compact, rewrite mostly empty L3 segments."""
     kv = open_store(one_store(store, layout).path)
     try:
-        config = GcConfig(cold_after_days * DAY_S, retention_days * DAY_S, unreferenced_hours * 3600.0)
+        config = GcConfig(
+            cold_after_days * DAY_S,
+            retention_days * DAY_S,
+            unreferenced_hours * 3600.0,
+            compact_hole_fraction=compact_holes if compact else None,
+        )
         report = collect_garbage(kv, config)
     except KVStrataError as exc:
         fail(str(exc))
@@ -156,5 +228,11 @@ def gc(
         f"gc: {report.sessions_deleted} sessions expired, {report.blocks_deleted} blocks deleted "
         f"({_human(report.bytes_freed)}), {report.blocks_moved_cold} moved to cold/ "
         f"({report.blocks_archived} re-encoded for the archive), "
-        f"{report.orphan_files_removed} orphan files removed in {report.seconds:.2f} s"
+        f"{report.orphan_files_removed} orphan files removed"
+        + (
+            f", {report.segments_compacted} segments compacted ({_human(report.compacted_bytes)} given back)"
+            if compact
+            else ""
+        )
+        + f" in {report.seconds:.2f} s"
     )

@@ -20,8 +20,12 @@ from kvstrata.store.counters import StoreCounters
 from kvstrata.store.tiers.base import Tier
 from kvstrata.store.writer import BackgroundWriter
 
-_BATCH_BLOCKS = 64
-"""Blocks written per group commit at most (4 MB each for an 8B model's 64-token blocks)."""
+_BATCH_BLOCKS = 4096
+"""Blocks written per group commit (one segment file) at most; the writer's byte bound (256 MiB)
+usually ends a batch first."""
+_LINGER_S = 0.002
+"""How long the writer waits for the next block of a checkpoint being appended (see
+:mod:`kvstrata.store.writer`)."""
 
 
 class DiskWriter:
@@ -45,6 +49,7 @@ class DiskWriter:
         self._writer = BackgroundWriter(
             write_many=self._write_many,
             max_batch_blocks=_BATCH_BLOCKS,
+            linger_s=_LINGER_S,
             max_queue_bytes=config.writer_queue_bytes,
             bandwidth_bytes_per_s=config.writer_bandwidth_bytes_per_s,
             on_failure=self._on_failure,

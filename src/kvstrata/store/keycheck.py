@@ -17,7 +17,7 @@ from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError
 from kvstrata.store.index import Index
 from kvstrata.store.kvbin import FLAG_ENCRYPTED, decode_record, parse_header
-from kvstrata.store.tiers.disk import block_path
+from kvstrata.store.tiers.disk_files import block_path, read_range, segment_path
 
 KEY_CHECK_META = "encryption_key_check"
 _SAMPLE_BLOCKS = 64
@@ -63,7 +63,10 @@ def _opens_a_sealed_block(root: Path, index: Index, keyring: Keyring) -> bool:
     sealed block, or none readable, accepts the key)."""
     for row in itertools.islice(index.blocks, _SAMPLE_BLOCKS):
         try:
-            data = block_path(root, row.key, row.cold, row.file_id).read_bytes()
+            if row.offset is not None:
+                data = read_range(segment_path(root, row.file_id), row.offset, row.nbytes, None, cold=False)
+            else:
+                data = block_path(root, row.key, row.cold, row.file_id).read_bytes()
             if not parse_header(data).flags & FLAG_ENCRYPTED:
                 continue
         except (OSError, CorruptBlockError):

@@ -236,3 +236,20 @@ def read_record_file(path: Path, **expect: bytes | None) -> tuple[RecordHeader, 
     only for short reads; a missing file stays ``FileNotFoundError`` for the caller to handle)."""
     data = path.read_bytes()
     return decode_record(data, path=path, **expect)
+
+
+def scan_records(data: bytes | memoryview, path: Path | str | None = None) -> list[tuple[int, RecordHeader]]:
+    """(offset, header) of each record of a segment file's bytes, back to back from offset 0
+    (``CorruptBlockError`` where a header does not parse or a record runs past the end). A
+    segment keeps the records of deleted blocks until it is compacted: the index says which
+    ones are live."""
+    view = memoryview(data)
+    found: list[tuple[int, RecordHeader]] = []
+    offset = 0
+    while offset < len(view):
+        header = parse_header(view[offset:], path)
+        if offset + header.total_bytes > len(view):
+            raise CorruptBlockError(f"record at offset {offset} runs past the end of the file", path)
+        found.append((offset, header))
+        offset += header.total_bytes
+    return found

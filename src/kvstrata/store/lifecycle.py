@@ -34,6 +34,7 @@ from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store import KVStore
+from kvstrata.store.compaction import compact_segments
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.tiers.disk import parse_file_name
 
@@ -53,6 +54,9 @@ class GcReport:
     seconds: float
     sessions_busy: int = 0
     """Expired sessions left alone because another process was serving them."""
+    segments_compacted: int = 0
+    compacted_bytes: int = 0
+    """Disk space the compaction gave back (``GcConfig.compact_hole_fraction``)."""
 
 
 @contextlib.contextmanager
@@ -81,6 +85,9 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
         for key, placement in doomed.items():  # rows are gone: now their files
             store.disk.unlink_removed(key, placement)
         moved, archived = _age_to_cold(store, config, now)
+        compacted = None
+        if config.compact_hole_fraction is not None:
+            compacted = compact_segments(store.disk, config.compact_hole_fraction)
         orphans = _remove_orphans(store, now - config.grace_s)
     return GcReport(
         deleted,
@@ -91,6 +98,8 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
         orphans,
         time.perf_counter() - started,
         busy,
+        compacted.segments_compacted if compacted is not None else 0,
+        compacted.bytes_reclaimed if compacted is not None else 0,
     )
 
 
@@ -156,7 +165,8 @@ def _age_to_cold(store: KVStore, config: GcConfig, now: float) -> tuple[int, int
 
 
 def _remove_orphans(store: KVStore, older_than: float) -> int:
-    """Files the index does not name (a write that crashed before its commit). A file of a process
+    """Block files and segments the index does not name (a write that crashed before its commit,
+    a segment whose last block went while a reader still had it). A file of a process
     that still has the store open may be a write between its rename and its commit: it is left
     alone (for an hour at most); so are files younger than the grace period."""
     orphans = 0
@@ -174,6 +184,21 @@ def _remove_orphans(store: KVStore, older_than: float) -> int:
             if mtime >= older_than:
                 continue
             writer = file_id[:8]
+            live = writer and registry is not None and registry.alive_nonce(writer)
+            if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        orphans += 1
+    for segment_id, path in store.disk.iter_segments():
+        if segment_id is not None and store.index.blocks.segment_refs(segment_id) > 0:
+            continue
+        try:
+            mtime = path.stat().st_mtime
+            if mtime >= older_than:
+                continue
+            writer = (segment_id or "")[:8]
             live = writer and registry is not None and registry.alive_nonce(writer)
             if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
                 continue

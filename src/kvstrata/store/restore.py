@@ -5,9 +5,12 @@ straight into their slices of one destination buffer (the tensor the transformer
 
 - blocks in memory are copied from their tier without an intermediate copy (an L1 slot is a view
   of the device pool; an L2 entry's payload is a view of the host arena, decoded into place);
-- blocks on disk are read on a thread pool, several files in flight, each into its thread's
-  reusable buffer, verified (CRC32C, key, layout) and decoded into place in the same thread (file
-  reads, CRC32C and numpy copies all release the GIL), then promoted as the placement wants;
+- blocks in L3 segments (written together by a checkpoint) are read as large sequential ranges in
+  the caller's thread (:mod:`~kvstrata.store.tiers.segment_reads`), each range verified (CRC32C,
+  key, layout) and decoded into place on the pool while the next one is read;
+- other blocks on disk are read on a thread pool, several files in flight, each into its thread's
+  reusable buffer, verified and decoded into place in the same thread (file reads, CRC32C and
+  numpy copies all release the GIL), then promoted as the placement wants;
 - blocks only Redis holds come through the remote mirror and are also kept on local disk.
 
 Every block is held while it is read (never demoted meanwhile), each source is counted as a hit or
@@ -20,11 +23,12 @@ destination, blocks from host tiers go through the pinned staging buffers of a
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +40,7 @@ from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, Chunk, Extent, plan_chunks, read_chunks
 from kvstrata.transfer import DeviceCopier, copy_tensor
 
 if TYPE_CHECKING:
@@ -45,6 +50,10 @@ log = logging.getLogger(__name__)
 
 _THREADS = 8
 """Blocks in flight at once: enough to keep a disk's queue full, few enough for small machines."""
+_STREAM_BUFFERS = 6
+"""Segment ranges in memory at once per restore: one being read, two being decoded."""
+_RETRY = object()
+"""A streamed record that could not be served from its range: read again the per-block way."""
 
 
 class Restorer:
@@ -55,6 +64,7 @@ class Restorer:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._local = threading.local()
+        self._stream_buffers: list[bytearray] = []
         self.stage_host_copies = False
         """Decode host blocks through staging buffers even on the CPU (the GPU path's logic)."""
 
@@ -99,16 +109,26 @@ class Restorer:
                 return self.read_into(keys[i], room(i), copier, priority, max_loss)
 
         # Blocks in memory are copied here, one after the other (a pool's hand-off costs more than
-        # copying a small block); the others go to the pool as soon as they are found missing, so
-        # their reads overlap with the copies.
+        # copying a small block); blocks in L3 segments are streamed; the others go to the pool.
         results: list[tuple[int, TierLevel] | None] = [None] * count
-        elsewhere: dict[int, Future[tuple[int, TierLevel] | None] | None] = {}
+        missing: list[int] = []
         for i in range(count):
             hit = self._memory_into(keys[i], room(i), copier, priority, max_loss)
             if hit is not None:
                 results[i] = hit
             else:
-                elsewhere[i] = self._executor().submit(one, i) if count > 1 else None
+                missing.append(i)
+        extents = self._segment_extents(keys, missing, max_loss)
+        streamed = {e.position for e in extents}
+        elsewhere: dict[int, Future[tuple[int, TierLevel] | None] | None] = {
+            i: self._executor().submit(one, i) if count > 1 else None for i in missing if i not in streamed
+        }
+        if extents:
+            for i, found in self._stream(extents, room, copier, priority, inference).items():
+                if found is _RETRY:
+                    elsewhere[i] = self._executor().submit(one, i)
+                else:
+                    results[i] = found  # type: ignore[assignment]
         for i, future in elsewhere.items():
             results[i] = future.result() if future is not None else one(i)
         copier.finish()
@@ -126,6 +146,97 @@ class Restorer:
             if tokens < bt:
                 break  # the tail: nothing follows it
         return got, by_tier
+
+    # -- L3 segments, streamed ---------------------------------------------------------------------
+    def _segment_extents(
+        self, keys: Sequence[BlockKey], positions: Sequence[int], max_loss: int | None
+    ) -> list[Extent]:
+        """The blocks at ``positions`` that L3 holds in segments, in a codec the caller accepts
+        (the others take the per-block path); none unless at least two."""
+        placement_of = getattr(self.tiered.disk, "placement", None)
+        if placement_of is None or len(positions) < 2:
+            return []
+        extents = []
+        for i in positions:
+            placement = placement_of(keys[i])
+            if (
+                placement is not None
+                and placement.in_segment
+                and (max_loss is None or LOSS_RANK[CodecId(placement.codec)] <= max_loss)
+            ):
+                extents.append(Extent(i, keys[i], placement))
+        return extents if len(extents) >= 2 else []
+
+    def _stream(
+        self,
+        extents: list[Extent],
+        room: Any,
+        copier: DeviceCopier,
+        priority: Priority | None,
+        inference: bool,
+    ) -> dict[int, object]:
+        """Read ``extents`` range by range in this thread while the pool verifies and decodes the
+        ranges already read; per position, what :meth:`read_into` would return, or ``_RETRY``."""
+        disk = self.tiered.disk
+        segments = {e.placement.file_id for e in extents}
+        chunks = plan_chunks(extents, {segment: disk.segment_path(segment) for segment in segments})
+        buffers = self._take_buffers()
+        results: dict[int, object] = {}
+        futures: list[Future[None]] = []
+
+        def decode(chunk: Chunk) -> None:
+            try:
+                with torch.inference_mode(inference):
+                    for extent in chunk.extents:
+                        results[extent.position] = self._from_chunk(chunk, extent, room, copier, priority)
+            finally:
+                assert chunk.buffer is not None
+                buffers.put(chunk.buffer)
+
+        try:
+            for chunk, error in read_chunks(chunks, buffers):
+                if error is not None:  # gone (compacted, removed) or unreadable: the per-block path decides
+                    results.update((e.position, _RETRY) for e in chunk.extents)
+                    continue
+                futures.append(self._executor().submit(decode, chunk))
+            for future in futures:
+                future.result()
+        finally:
+            self._give_back_buffers(buffers)
+        return results
+
+    def _from_chunk(
+        self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier, priority: Priority | None
+    ) -> object:
+        started = time.perf_counter()
+        data = chunk.record(extent)
+        if data is None:
+            return _RETRY  # the file ends early: the per-block read reports it
+        disk = self.tiered.disk
+        try:
+            header, encoded = disk.verify(extent.key, data, chunk.path)
+        except VERIFY_ERRORS as exc:
+            self.tiered.counters.unreadable(exc, "L3", log)
+            return _RETRY  # quarantined: the per-block path tries L4, or counts the miss
+        if encoded.codec != extent.placement.codec:
+            return _RETRY
+        block = KVBlock(extent.key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
+        target = room(extent.position)
+        self._decode(block, target, copier)
+        return self._served(extent.key, block, disk.level, target, priority, started)
+
+    def _take_buffers(self) -> queue.Queue[bytearray]:
+        buffers: queue.Queue[bytearray] = queue.Queue()
+        with self._pool_lock:
+            for _ in range(_STREAM_BUFFERS):
+                buffers.put(self._stream_buffers.pop() if self._stream_buffers else bytearray(CHUNK_BYTES))
+        return buffers
+
+    def _give_back_buffers(self, buffers: queue.Queue[bytearray]) -> None:
+        """Keep the buffers for the next restore (already paged in)."""
+        with self._pool_lock:
+            while not buffers.empty() and len(self._stream_buffers) < _STREAM_BUFFERS:
+                self._stream_buffers.append(buffers.get_nowait())
 
     # -- one block -------------------------------------------------------------------------------
     def lookup(

@@ -74,6 +74,11 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
         else:
             by_codec = {CodecId(c).name.lower(): n for c, n in tier.bytes_by_codec().items()}  # type: ignore[attr-defined]
             logical = tier.logical_bytes()  # type: ignore[attr-defined]
+        fragmentation = usage.fragmentation_bytes
+        segment_space = getattr(tier, "segment_space", None)
+        if segment_space is not None:  # L3: the holes deleted blocks left in segments
+            _, file_bytes, live_bytes = segment_space()
+            fragmentation = max(0, file_bytes - live_bytes)
         out.append(
             TierStats(
                 tier.level.name,
@@ -81,7 +86,7 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
                 usage.used_bytes,
                 usage.stored_bytes,
                 usage.budget_bytes,
-                usage.fragmentation_bytes,
+                fragmentation,
                 c.hits,
                 c.misses,
                 c.promotions,

@@ -1,8 +1,11 @@
 """A bounded background writer that moves blocks into a slow tier off the request path.
 
 It takes whatever is queued in batches (``max_batch_blocks``), so a tier that can write many
-blocks at once (L3's group commit: all files durable, then one index transaction) is handed them
-together, while a lone block is written at once.
+blocks at once (L3's group commit: one segment file durable, then one index transaction) is handed
+them together. While blocks keep arriving (a session appended a long history) it lingers up to
+``linger_s`` after each arrival, so one checkpoint becomes one batch rather than many small ones
+(large segments read back at the disk's sequential speed; many small files do not); a ``flush``
+ends the wait at once (whoever flushes has submitted everything it wants written).
 
 ``submit`` blocks when more than ``max_queue_bytes`` are in flight (backpressure, so a fast
 producer cannot grow memory without bound); an optional bandwidth cap paces the writes. A
@@ -35,6 +38,7 @@ class BackgroundWriter:
         max_batch_blocks: int = 1,
         max_batch_bytes: int = 256 << 20,
         max_queue_bytes: int = 256 << 20,
+        linger_s: float = 0.0,
         bandwidth_bytes_per_s: float | None = None,
         on_done: Callable[[KVBlock], None] | None = None,
         on_failure: Callable[[KVBlock, Exception], None] | None = None,
@@ -46,6 +50,8 @@ class BackgroundWriter:
         self.max_batch_blocks = max_batch_blocks
         self.max_batch_bytes = max_batch_bytes
         self.max_queue_bytes = max_queue_bytes
+        self.linger_s = linger_s
+        self._flushing = 0
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self._on_done = on_done
         self._on_failure = on_failure
@@ -119,14 +125,19 @@ class BackgroundWriter:
         wanted = None if keys is None else set(keys)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                busy = self._queue.keys() | self._inflight.keys()
-                if not (busy if wanted is None else busy & wanted):
-                    return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
+            self._flushing += 1
+            self._cond.notify_all()  # a lingering batch goes now
+            try:
+                while True:
+                    busy = self._queue.keys() | self._inflight.keys()
+                    if not (busy if wanted is None else busy & wanted):
+                        return True
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(remaining)
+            finally:
+                self._flushing -= 1
 
     def _take_batch(self) -> list[KVBlock] | None:
         """The next batch (up to ``max_batch_blocks`` blocks or ``max_batch_bytes``), moved to in
@@ -136,6 +147,7 @@ class BackgroundWriter:
                 self._cond.wait()
             if not self._queue:
                 return None
+            self._linger()
             batch: list[KVBlock] = []
             size = 0
             while (
@@ -148,6 +160,21 @@ class BackgroundWriter:
                 batch.append(block)
                 size += self._size(block)
             return batch
+
+    def _linger(self) -> None:
+        """Wait (lock held) while blocks keep arriving, up to ``linger_s`` after the last one,
+        until a batch is full, a flush is waiting or the writer closes."""
+        while (
+            self.linger_s > 0
+            and not self._flushing
+            and not self._closed
+            and len(self._queue) < self.max_batch_blocks
+            and self._queued_bytes < min(self.max_batch_bytes, self.max_queue_bytes)
+        ):
+            before = len(self._queue)
+            self._cond.wait(self.linger_s)
+            if len(self._queue) == before:
+                return
 
     def _run(self) -> None:
         while True:

@@ -6,7 +6,10 @@ and gives the tables: ``index.blocks`` (:mod:`.block_rows`), ``index.sessions``
 open uses the same file; SQLite (WAL, short write transactions, a busy timeout) serializes them.
 
 Format history: 1, the first; 2 adds a namespace per block row, per-namespace usage totals and
-session leases (a store of format 1 is migrated in one transaction when a writer opens it).
+session leases; 3 adds segment files (a row names its segment and the record's offset in it). A
+store of an older format is migrated in one transaction when a writer opens it; its block files
+stay readable where they are. An older build refuses a newer format (it would not find the
+blocks in segments).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Index:
                 if version < INDEX_FORMAT_VERSION:
                     self.blocks.migrate()
                     self.db.set_meta("format_version", str(INDEX_FORMAT_VERSION))
+                else:
+                    self.db.executescript(block_rows.FILE_INDEX)
         except BaseException:
             self.db.close()
             raise

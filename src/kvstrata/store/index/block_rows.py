@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS blocks (
     last_access REAL NOT NULL,
     access_count INTEGER NOT NULL DEFAULT 0,
     namespace TEXT,
-    file_id TEXT NOT NULL DEFAULT ''
+    file_id TEXT NOT NULL DEFAULT '',
+    seg_offset INTEGER
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS block_usage (
     namespace TEXT PRIMARY KEY,
@@ -63,7 +64,10 @@ class BlockRow:
     access_count: int
     namespace: str | None = None
     file_id: str = ""
-    """Names this write's file (``<key>.<file_id>.kvbin``; '' for files written before format 2)."""
+    """The segment holding the record (``offset`` set), or this write's own block file
+    (``<key>.<file_id>.kvbin``, ``offset`` None; '' for files written before format 2)."""
+    offset: int | None = None
+    """Where the record starts in its segment; None for a block file of its own."""
 
 
 class Placement(NamedTuple):
@@ -74,18 +78,35 @@ class Placement(NamedTuple):
     codec: int
     num_tokens: int
     file_id: str
+    offset: int | None = None
+    """The record's offset in segment ``file_id``; None: a block file of its own."""
+
+    @property
+    def in_segment(self) -> bool:
+        return self.offset is not None
 
 
 _COLUMNS = (
-    "key, cold, num_tokens, start_pos, codec, nbytes, created, last_access, access_count, namespace, file_id"
+    "key, cold, num_tokens, start_pos, codec, nbytes, created, last_access, access_count, namespace, "
+    "file_id, seg_offset"
 )
-_INSERT = f"INSERT OR REPLACE INTO blocks ({_COLUMNS}) VALUES ({', '.join('?' * 11)})"
-_PLACEMENT = "cold, nbytes, codec, num_tokens, file_id"
+_INSERT = f"INSERT OR REPLACE INTO blocks ({_COLUMNS}) VALUES ({', '.join('?' * 12)})"
+_PLACEMENT = "cold, nbytes, codec, num_tokens, file_id, seg_offset"
+_ADDED = {"namespace": "NULL", "file_id": "''", "seg_offset": "NULL"}
+"""Columns later formats added, and what a row of an older format reads as."""
+FILE_INDEX = "CREATE INDEX IF NOT EXISTS blocks_by_file ON blocks(file_id)"
 
 
 def _placement(row: Sequence[Any]) -> Placement:
-    cold, nbytes, codec, num_tokens, file_id = row
-    return Placement(bool(cold), int(nbytes), int(codec), int(num_tokens), str(file_id))
+    cold, nbytes, codec, num_tokens, file_id, offset = row
+    return Placement(
+        bool(cold),
+        int(nbytes),
+        int(codec),
+        int(num_tokens),
+        str(file_id),
+        None if offset is None else int(offset),
+    )
 
 
 def _account(db: sqlite3.Connection, namespace: str | None, blocks: int, nbytes: int) -> None:
@@ -97,6 +118,7 @@ def _account(db: sqlite3.Connection, namespace: str | None, blocks: int, nbytes:
 
 
 def _select_old(db: sqlite3.Connection, key: bytes) -> tuple[Any, ...] | None:
+    """(namespace, *placement) of ``key``'s row."""
     return db.execute(  # type: ignore[no-any-return]
         f"SELECT namespace, {_PLACEMENT} FROM blocks WHERE key = ?", (key,)
     ).fetchone()
@@ -107,27 +129,38 @@ class BlockTable:
         self.db = db
         self._pending_access: dict[BlockKey, tuple[float, int]] = {}
         self._flushed_at = time.time()
-        self._migrated = "file_id" in db.columns("blocks")
+        self._present = db.columns("blocks")
+        self._migrated = set(_ADDED) <= self._present
 
     def migrate(self) -> None:
-        """Format 1 -> 2: a namespace and a file id per row, and the usage totals (writers only,
-        one transaction)."""
+        """Formats 1 and 2 -> 3: a namespace, a file id and a segment offset per row, the usage
+        totals, and the index of rows by file (writers only, one transaction). Block files of an
+        older format stay where they are and are read as they are."""
         with self.db.transaction() as db:
             columns = {r[1] for r in db.execute("PRAGMA table_info(blocks)").fetchall()}
             if "namespace" not in columns:
                 db.execute("ALTER TABLE blocks ADD COLUMN namespace TEXT")
             if "file_id" not in columns:
                 db.execute("ALTER TABLE blocks ADD COLUMN file_id TEXT NOT NULL DEFAULT ''")
+            if "seg_offset" not in columns:
+                db.execute("ALTER TABLE blocks ADD COLUMN seg_offset INTEGER")
+            db.execute(FILE_INDEX)
             if db.execute("SELECT count(*) FROM block_usage").fetchone()[0] == 0:
                 db.execute(
                     "INSERT INTO block_usage SELECT coalesce(namespace, ''), count(*), total(nbytes) "
                     "FROM blocks GROUP BY coalesce(namespace, '')"
                 )
         self._migrated = True
+        self._present |= set(_ADDED)
 
     def _sql(self, columns: str) -> str:
-        """``columns`` as a store not yet migrated (a read-only open of format 1) can answer."""
-        return columns if self._migrated else columns.replace("namespace", "NULL").replace("file_id", "''")
+        """``columns`` as a store not yet migrated (a read-only open of an older format) can answer."""
+        if self._migrated:
+            return columns
+        return ", ".join(
+            name if name in self._present or name not in _ADDED else _ADDED[name]
+            for name in columns.split(", ")
+        )
 
     # -- writes (each one transaction with its usage update) -----------------------------------
     def put(self, row: BlockRow) -> Placement | None:
@@ -155,7 +188,7 @@ class BlockTable:
         with self.db.transaction() as db:
             for key in keys:
                 old = _select_old(db, key)
-                if old is None or (file_id is not None and old[-1] != file_id):
+                if old is None or (file_id is not None and old[5] != file_id):
                     continue
                 db.execute("DELETE FROM blocks WHERE key = ?", (key,))
                 _account(db, old[0], -1, -old[2])
@@ -180,13 +213,66 @@ class BlockTable:
                 _account(db, row[1], -1, -row[3])
         return {key: _placement(row[2:]) for key, row in doomed.items()}
 
-    def set_cold(self, key: BlockKey, cold: bool, file_id: str) -> bool:
-        """Record the move of the file ``file_id`` (False: the row names another file by now)."""
+    def set_cold(self, key: BlockKey, cold: bool, file_id: str, *, new_file_id: str | None = None) -> bool:
+        """Record the move of the file ``file_id`` (False: the row names another file by now);
+        with ``new_file_id`` the record was copied out of its segment into a file of its own."""
         with self.db.transaction() as db:
-            cur = db.execute(
-                "UPDATE blocks SET cold = ? WHERE key = ? AND file_id = ?", (int(cold), key, file_id)
-            )
+            if new_file_id is None:
+                cur = db.execute(
+                    "UPDATE blocks SET cold = ? WHERE key = ? AND file_id = ?", (int(cold), key, file_id)
+                )
+            else:
+                cur = db.execute(
+                    "UPDATE blocks SET cold = ?, file_id = ?, seg_offset = NULL "
+                    "WHERE key = ? AND file_id = ?",
+                    (int(cold), new_file_id, key, file_id),
+                )
             return cur.rowcount > 0
+
+    # -- segments ----------------------------------------------------------------------------------
+    def segment_refs(self, segment_id: str) -> int:
+        """How many rows a segment still holds (0: its file may go; rows only ever leave a
+        segment, since every write makes a segment of its own)."""
+        if not self._migrated:
+            return 0
+        row = self.db.query_one(
+            "SELECT count(*) FROM blocks WHERE file_id = ? AND seg_offset IS NOT NULL", (segment_id,)
+        )
+        return int(row[0]) if row else 0
+
+    def segment_rows(self, segment_id: str) -> list[tuple[BlockKey, int, int]]:
+        """(key, offset, bytes) of the rows a segment holds, in file order."""
+        rows = self.db.query(
+            "SELECT key, seg_offset, nbytes FROM blocks WHERE file_id = ? AND seg_offset IS NOT NULL "
+            "ORDER BY seg_offset",
+            (segment_id,),
+        )
+        return [(BlockKey(k), int(o), int(n)) for k, o, n in rows]
+
+    def segment_live_bytes(self) -> dict[str, int]:
+        """Bytes of the records each segment still holds (the rest of its file is holes)."""
+        if not self._migrated:
+            return {}
+        rows = self.db.query(
+            "SELECT file_id, total(nbytes) FROM blocks WHERE seg_offset IS NOT NULL GROUP BY file_id"
+        )
+        return {str(f): int(n) for f, n in rows}
+
+    def move_to_segment(self, moves: Sequence[tuple[BlockKey, str, int, str, int]]) -> list[BlockKey]:
+        """Compaction, in ONE transaction: each row still at (old segment, old offset) now names
+        (new segment, new offset); rows changed since (rewritten, deleted) are left alone. The
+        keys moved."""
+        moved: list[BlockKey] = []
+        with self.db.transaction() as db:
+            for key, old_file, old_offset, new_file, new_offset in moves:
+                cur = db.execute(
+                    "UPDATE blocks SET file_id = ?, seg_offset = ? "
+                    "WHERE key = ? AND file_id = ? AND seg_offset = ?",
+                    (new_file, new_offset, key, old_file, old_offset),
+                )
+                if cur.rowcount:
+                    moved.append(key)
+        return moved
 
     # -- reads -----------------------------------------------------------------------------------
     def placement(self, key: BlockKey) -> Placement | None:

@@ -19,7 +19,7 @@ from typing import Any
 from kvstrata.errors import LayoutMismatchError, StoreFormatError
 from kvstrata.layout import KVLayout
 
-INDEX_FORMAT_VERSION = 2
+INDEX_FORMAT_VERSION = 3
 APPLICATION_ID = 0x4B565354  # "KVST": marks the SQLite file as ours
 _OPEN_TIMEOUT_S = 30.0
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"

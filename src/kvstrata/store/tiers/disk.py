@@ -18,6 +18,14 @@ wrote meanwhile. The SQLite index is the one truth about what L3 holds: each pro
 cache of the rows it saw. A row that another process deleted (gc, eviction), replaced or moved
 between ``hot/`` and ``cold/`` is noticed when its file is not where the cache says: the index is
 asked again, and a block that is gone is a miss (the caller recomputes), never corruption.
+
+A batch of two or more blocks (a checkpoint's group commit) is written as ONE segment file
+(``segments/xx/<segment id>.kvseg``): the same records back to back, one fsync and one rename for
+all of them, each row naming the segment and the record's offset. Segments never change once in
+place: a block deleted from one leaves a hole (counted in ``segment_space``; ``kvstrata gc
+--compact`` copies the live records of a mostly empty segment into a new one), and the file goes
+when its last row does. A restore reads a segment's records as large sequential ranges
+(:mod:`.segment_reads`). Moving a block to ``cold/`` copies its record out into a file of its own.
 """
 
 from __future__ import annotations
@@ -46,15 +54,20 @@ from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, RecordHeader, decode_record, record_parts
 from kvstrata.store.tiers.base import TierLevel, TierUsage
 from kvstrata.store.tiers.disk_files import (
+    SEGMENTS_DIR,
     PendingFile,
+    PendingSegment,
     block_path,
     drop_page_cache,
-    file_id_of,
     fsync_dir,
     parse_file_name,
+    parse_segment_name,
     read_file,
+    read_range,
     remove_dead_temp_files,
+    segment_path,
     write_files,
+    write_segment,
 )
 
 if TYPE_CHECKING:
@@ -113,10 +126,31 @@ class DiskTier:
     def path_for(self, key: BlockKey, cold: bool = False, file_id: str = "") -> Path:
         return block_path(self.root, key, cold, file_id)
 
-    def path_of(self, key: BlockKey) -> Path | None:
-        """Where the index says ``key``'s file is (None: not in L3)."""
+    def file_of(self, key: BlockKey, placement: Placement) -> Path:
+        """The file holding ``key``'s record: its segment, or a block file of its own."""
+        if placement.in_segment:
+            return segment_path(self.root, placement.file_id)
+        return self.path_for(key, placement.cold, placement.file_id)
+
+    def segment_path(self, segment_id: str) -> Path:
+        return segment_path(self.root, segment_id)
+
+    def locate(self, key: BlockKey) -> tuple[Path, int, int] | None:
+        """Where the index says ``key``'s record is: (file, offset, bytes); None when not in L3.
+        A block file of its own holds the record at offset 0."""
         placement = self.index.blocks.placement(key)
-        return self.path_for(key, placement.cold, placement.file_id) if placement is not None else None
+        if placement is None:
+            return None
+        return self.file_of(key, placement), placement.offset or 0, placement.nbytes
+
+    def path_of(self, key: BlockKey) -> Path | None:
+        """The file holding ``key``'s record (None: not in L3); see :meth:`locate`."""
+        found = self.locate(key)
+        return found[0] if found is not None else None
+
+    def placement(self, key: BlockKey) -> Placement | None:
+        """Where ``key`` is (this process's cache of the index, asked when not cached)."""
+        return self._placement(key)
 
     def _placement(self, key: BlockKey) -> Placement | None:
         placement = self._cache.get(key)
@@ -151,8 +185,10 @@ class DiskTier:
         for _ in range(3):
             if placement is None:
                 return None
-            path = self.path_for(key, placement.cold, placement.file_id)
+            path = self.file_of(key, placement)
             try:
+                if placement.in_segment:
+                    return read_range(path, placement.offset or 0, placement.nbytes, buffer, cold=False), path
                 return read_file(path, buffer, cold=placement.cold), path
             except FileNotFoundError:
                 self._cache.pop(key, None)
@@ -168,6 +204,24 @@ class DiskTier:
             log.warning("block %s is indexed but its file is missing; treating it as lost", key.hex()[:16])
         return None
 
+    def verify(self, key: BlockKey, data: memoryview, path: Path) -> tuple[RecordHeader, EncodedBlock]:
+        """``key``'s record bytes checked (length, CRC32C, key, layout; opened when sealed); a
+        corrupt record is quarantined and raises ``CorruptBlockError``."""
+        try:
+            header, encoded = decode_record(
+                data,
+                path=path,
+                expected_key=key,
+                expected_layout=self.layout.fingerprint,
+                keyring=self.keyring,
+            )
+        except CorruptBlockError:
+            if not self.index.read_only:
+                self.quarantine(key, path, data)
+            raise
+        self.index.blocks.note_access(key, time.time())
+        return header, encoded
+
     def read_verified(
         self, key: BlockKey, buffer: bytearray | None = None
     ) -> tuple[RecordHeader, EncodedBlock, memoryview] | None:
@@ -179,19 +233,7 @@ class DiskTier:
         if found is None:
             return None
         data, path = found
-        try:
-            header, encoded = decode_record(
-                data,
-                path=path,
-                expected_key=key,
-                expected_layout=self.layout.fingerprint,
-                keyring=self.keyring,
-            )
-        except CorruptBlockError:
-            if not self.index.read_only:
-                self.quarantine(key, path)
-            raise
-        self.index.blocks.note_access(key, time.time())
+        header, encoded = self.verify(key, data, path)
         return header, encoded, data
 
     def get(self, key: BlockKey) -> KVBlock | None:
@@ -238,7 +280,7 @@ class DiskTier:
                         f"the budget of {self.budget_bytes} bytes is full of blocks that may not be evicted"
                     )
             writes = [w for w in writes if (w.block.namespace or "") not in refused]
-        write_files([w.file for w in writes], self._io_pool())
+        segment = self._write(writes)
         now = time.time()
         rows = []
         for w in writes:
@@ -262,16 +304,37 @@ class DiskTier:
                     0,
                     block.namespace,
                     w.file_id,
+                    w.offset,
                 )
             )
         # Only now, with the files durable under their final names, does the index learn of them.
         replaced = self.index.blocks.put_many(rows) if rows else []
         for row, old in zip(rows, replaced, strict=True):
-            self._cache[row.key] = Placement(row.cold, row.nbytes, row.codec, row.num_tokens, row.file_id)
+            self._cache[row.key] = Placement(
+                row.cold, row.nbytes, row.codec, row.num_tokens, row.file_id, row.offset
+            )
             self.lost.discard(row.key)
             if old is not None:  # its file is ours to remove now (ours, or another process's copy)
-                self.path_for(row.key, old.cold, old.file_id).unlink(missing_ok=True)
+                self.release(row.key, old)
+        if segment is not None and not rows:
+            segment.final.unlink(missing_ok=True)
         return results
+
+    def _write(self, writes: list[_Write]) -> PendingSegment | None:
+        """Make ``writes`` durable: two or more as one segment (one fsync for all), a single one
+        as a block file of its own. Errors are left on each write's ``file``."""
+        if len(writes) < 2:
+            write_files([w.file for w in writes], self._io_pool())
+            return None
+        segment_id = self.writer_nonce + uuid.uuid4().hex[:12]
+        final = self.segment_path(segment_id)
+        tmp = self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
+        segment = PendingSegment(tmp, final, [w.file.parts for w in writes], [])
+        write_segment(segment)
+        for w, offset in zip(writes, segment.offsets, strict=True):
+            w.file_id, w.offset = segment_id, offset
+            w.file.final, w.file.error = final, segment.error
+        return segment
 
     def _prepare(self, index: int, block: KVBlock, previous: Placement | None) -> _Write:
         encoded = block.encode()
@@ -320,19 +383,43 @@ class DiskTier:
         removed = self.index.blocks.delete([key]).get(key)
         if removed is None:
             return False
-        self.path_for(key, removed.cold, removed.file_id).unlink(missing_ok=True)
+        self.release(key, removed)
         return True
 
     def unlink_removed(self, key: BlockKey, placement: Placement) -> None:
         """Remove the file of a row the index no longer holds (deleted by gc or eviction)."""
-        self._cache.pop(key, None)
-        self.path_for(key, placement.cold, placement.file_id).unlink(missing_ok=True)
+        self.release(key, placement)
 
-    def quarantine(self, key: BlockKey, path: Path) -> None:
+    def release(self, key: BlockKey, placement: Placement) -> None:
+        """A row naming ``placement`` is gone: remove its block file, or its segment once no row
+        names the segment any more (rows only ever leave a segment, so that stays so)."""
+        self._cache.pop(key, None)
+        if not placement.in_segment:
+            self.path_for(key, placement.cold, placement.file_id).unlink(missing_ok=True)
+        elif self.index.blocks.segment_refs(placement.file_id) == 0:
+            self.segment_path(placement.file_id).unlink(missing_ok=True)
+
+    def quarantine(self, key: BlockKey, path: Path, data: memoryview | None = None) -> None:
+        """Set a corrupt record aside: a block file is moved to ``quarantine/``; a record in a
+        segment is copied there (``data``, the bytes read) and its row dropped, the segment's
+        other records staying in service."""
         self.corrupt_count += 1
         self._cache.pop(key, None)
-        self.index.blocks.delete([key], file_id=file_id_of(path))
+        segment_id = parse_segment_name(path.name)
+        file_id = segment_id if segment_id is not None else (parse_file_name(path.name) or (key, None))[1]
+        removed = self.index.blocks.delete([key], file_id=file_id).get(key)
         target = self.quarantine_dir / f"{path.name}.{int(time.time())}"
+        if segment_id is not None:
+            if removed is not None:
+                target = (
+                    self.quarantine_dir
+                    / f"{key.hex()}.{segment_id}.{removed.offset}.kvbin.{int(time.time())}"
+                )
+                if data is not None:
+                    target.write_bytes(data)
+                self.release(key, removed)
+                log.error("corrupt record of block %s in %s copied to %s", key.hex()[:16], path, target)
+            return
         try:
             shutil.move(path, target)
         except FileNotFoundError:
@@ -340,10 +427,13 @@ class DiskTier:
         log.error("corrupt block file %s moved to %s", path, target)
 
     def set_cold(self, key: BlockKey, cold: bool) -> bool:
-        """Move a block's file between ``hot/`` and ``cold/`` (rename, then index)."""
+        """Move a block's file between ``hot/`` and ``cold/`` (rename, then index); a record in a
+        segment is copied out into a block file of its own there (the segment keeps a hole)."""
         placement = self._placement(key)
         if placement is None or placement.cold == cold:
             return False
+        if placement.in_segment:
+            return self._copy_out(key, placement, cold)
         src = self.path_for(key, placement.cold, placement.file_id)
         dst = self.path_for(key, cold, placement.file_id)
         dst.parent.mkdir(exist_ok=True)
@@ -364,6 +454,32 @@ class DiskTier:
             self._cache.pop(key, None)
             return False
         self._cache[key] = placement._replace(cold=cold)
+        return True
+
+    def _copy_out(self, key: BlockKey, placement: Placement, cold: bool) -> bool:
+        try:
+            data = read_range(
+                self.file_of(key, placement), placement.offset or 0, placement.nbytes, None, cold=False
+            )
+        except FileNotFoundError:
+            self._cache.pop(key, None)
+            return False
+        if len(data) != placement.nbytes:
+            return False  # truncated: left for the read path, which quarantines it
+        file_id = self.writer_nonce + uuid.uuid4().hex[:8]
+        final = self.path_for(key, cold, file_id)
+        pending = PendingFile(
+            self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp", final, [data]
+        )
+        write_files([pending], None)
+        if pending.error is not None:
+            return False
+        if not self.index.blocks.set_cold(key, cold, placement.file_id, new_file_id=file_id):
+            final.unlink(missing_ok=True)
+            self._cache.pop(key, None)
+            return False
+        self.release(key, placement)
+        self._cache[key] = Placement(cold, placement.nbytes, placement.codec, placement.num_tokens, file_id)
         return True
 
     def keys(self) -> Iterator[BlockKey]:
@@ -402,6 +518,28 @@ class DiskTier:
                     for entry in os.scandir(shard.path):
                         yield Path(entry.path), cold
 
+    def iter_segments(self) -> Iterator[tuple[str | None, Path]]:
+        """Every file under ``segments/``: (its segment id, or None for a foreign name; path)."""
+        base = self.root / SEGMENTS_DIR
+        if not base.is_dir():
+            return
+        for shard in os.scandir(base):
+            if shard.is_dir():
+                for entry in os.scandir(shard.path):
+                    yield parse_segment_name(entry.name), Path(entry.path)
+
+    def segment_space(self) -> tuple[int, int, int]:
+        """(segment files, their bytes, bytes of the records they still hold): the difference is
+        holes that ``kvstrata gc --compact`` can give back."""
+        files = total = 0
+        for _, path in self.iter_segments():
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                continue
+            files += 1
+        return files, total, sum(self.index.blocks.segment_live_bytes().values())
+
     def close(self) -> None:
         self.index.blocks.flush_access()
         if self._pool is not None:
@@ -419,6 +557,7 @@ class _Write:
     nbytes: int
     growth: int
     codec: int
+    offset: int | None = None
 
 
 class _NoRoom(TierUnavailableError):

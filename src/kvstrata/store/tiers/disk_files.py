@@ -165,3 +165,91 @@ def remove_dead_temp_files(tmp_dir: Path, alive: Callable[[str], bool] | None) -
         except FileNotFoundError:
             continue  # its writer renamed or removed it meanwhile
     return count
+
+
+# -- segments: the records of one batch back to back in one file ------------------------------------
+SEGMENTS_DIR = "segments"
+SEGMENT_SUFFIX = ".kvseg"
+_IOV_MAX = 1024
+"""``os.writev`` takes at most this many buffers in one call (Linux's IOV_MAX)."""
+
+
+def segment_path(root: Path, segment_id: str) -> Path:
+    """``root/segments/<2 hex>/<segment id>.kvseg`` (sharded on the id's random part: its first 8
+    characters name the writing process)."""
+    return root / SEGMENTS_DIR / segment_id[8:10].rjust(2, "0") / f"{segment_id}{SEGMENT_SUFFIX}"
+
+
+def parse_segment_name(name: str) -> str | None:
+    """The segment id of a segment file's name; None for a name that is not one."""
+    if not name.endswith(SEGMENT_SUFFIX):
+        return None
+    stem = name[: -len(SEGMENT_SUFFIX)]
+    return stem if stem and "." not in stem else None
+
+
+@dataclass(slots=True)
+class PendingSegment:
+    """Records on their way to one segment file ``final`` through ``tmp``; ``offsets`` says
+    where each record starts."""
+
+    tmp: Path
+    final: Path
+    records: Sequence[Sequence[bytes | memoryview]]
+    offsets: list[int]
+    error: OSError | None = None
+
+
+def write_segment(item: PendingSegment) -> None:
+    """Every record of ``item`` back to back in its temp file (``writev``, payloads not copied),
+    one fsync, the rename into place, one fsync of the directory: the whole batch durable with
+    two waits. An error is left on the item (nothing is then in place)."""
+    buffers = [memoryview(p).cast("B") for record in item.records for p in record]
+    item.offsets = []
+    offset = 0
+    for record in item.records:
+        item.offsets.append(offset)
+        offset += sum(memoryview(p).nbytes for p in record)
+    try:
+        fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            while buffers:
+                written = os.writev(fd, buffers[:_IOV_MAX])
+                while buffers and written >= len(buffers[0]):
+                    written -= len(buffers[0])
+                    buffers.pop(0)
+                if buffers and written:
+                    buffers[0] = buffers[0][written:]
+            os.fsync(fd)
+            drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
+        finally:
+            os.close(fd)
+        item.final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(item.tmp, item.final)
+        fsync_dir(item.final.parent)
+    except OSError as exc:
+        item.error = exc
+        item.tmp.unlink(missing_ok=True)
+        item.final.unlink(missing_ok=True)
+
+
+def read_range(path: Path, offset: int, length: int, buffer: bytearray | None, *, cold: bool) -> memoryview:
+    """``length`` bytes of ``path`` from ``offset``, read into ``buffer`` when it is large enough
+    (a fresh one otherwise): a view of the bytes read (fewer at the file's end). ``cold`` ranges
+    leave the page cache after the read."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if buffer is None or len(buffer) < length:
+            buffer = bytearray(length)
+        view = memoryview(buffer)[:length]
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        if cold and _HAS_FADVISE:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return view[:got]

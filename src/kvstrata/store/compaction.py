@@ -1,0 +1,121 @@
+"""Compaction of L3 segments: the live records of mostly empty segments copied into new ones.
+
+A checkpoint writes its blocks as one segment file; blocks deleted later (gc, eviction, a block
+moved to ``cold/``) leave holes, since a segment never changes once in place. After a long run a
+store can hold segments that are mostly holes: disk space the budget no longer counts but the file
+system still holds. ``kvstrata gc --compact`` gives it back.
+
+Crash-safe order, per segment (each step only after the previous one is durable):
+  1. the live records are read and verified (CRC32C, key, layout): a damaged record stays where it
+     is, for the read path to quarantine, and is never copied;
+  2. they are written to a NEW segment (temp file, fsync, rename, directory fsync);
+  3. ONE index transaction points each row that still names (old segment, old offset) to its new
+     place; a row another process rewrote or deleted meanwhile is left alone;
+  4. the old segment is removed once no row names it.
+A crash after 2 leaves the new segment unindexed (an orphan, removed by the next gc); after 3,
+the old segment is unreferenced (likewise). A reader that looked a row up before 3 and opens the
+old file after 4 finds it gone and asks the index again (see ``DiskTier``), so it never reads a
+hole. Run under the gc lock: one maintenance pass at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
+from kvstrata.store.kvbin import decode_record
+from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.store.tiers.disk_files import PendingSegment, read_range, write_segment
+
+DEFAULT_HOLE_FRACTION = 0.5
+"""A segment at least this much holes is compacted."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompactReport:
+    segments_compacted: int
+    blocks_moved: int
+    bytes_reclaimed: int
+    """File bytes given back (old segments' sizes minus the new segments' sizes)."""
+    records_left: int
+    """Records that could not be moved (damaged: left for the read path to quarantine)."""
+    seconds: float
+
+
+def compact_segments(disk: DiskTier, hole_fraction: float = DEFAULT_HOLE_FRACTION) -> CompactReport:
+    """Compact every segment of ``disk`` whose holes are at least ``hole_fraction`` of its file."""
+    started = time.perf_counter()
+    live = disk.index.blocks.segment_live_bytes()
+    compacted = moved = reclaimed = left = 0
+    for segment_id, path in list(disk.iter_segments()):
+        if segment_id is None or segment_id not in live:
+            continue  # foreign, or no live record: the orphan sweep's
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue
+        if size == 0 or (size - live[segment_id]) / size < hole_fraction:
+            continue
+        result = _compact_one(disk, segment_id)
+        if result is None:
+            continue
+        new_size, count, skipped = result
+        compacted += 1
+        moved += count
+        left += skipped
+        reclaimed += size - new_size if disk.index.blocks.segment_refs(segment_id) == 0 else -new_size
+    return CompactReport(compacted, moved, reclaimed, left, time.perf_counter() - started)
+
+
+def _compact_one(disk: DiskTier, segment_id: str) -> tuple[int, int, int] | None:
+    """(new segment's bytes, records moved, records left behind); None when nothing was done."""
+    rows = disk.index.blocks.segment_rows(segment_id)
+    if not rows:
+        return None
+    old_path = disk.segment_path(segment_id)
+    start, end = rows[0][1], rows[-1][1] + rows[-1][2]
+    try:
+        data = read_range(old_path, start, end - start, None, cold=False)
+    except FileNotFoundError:
+        return None  # removed meanwhile (its last row went)
+    records: list[list[memoryview]] = []
+    kept: list[tuple[bytes, int]] = []
+    skipped = 0
+    for key, offset, nbytes in rows:
+        record = data[offset - start : offset - start + nbytes]
+        try:
+            decode_record(
+                record, expected_key=key, expected_layout=disk.layout.fingerprint, keyring=disk.keyring
+            )
+        except EncryptionKeyError:
+            pass  # the CRC32C checked out; only the payload is sealed under a key this process lacks
+        except (CorruptBlockError, LayoutMismatchError):
+            skipped += 1
+            continue
+        records.append([record])
+        kept.append((key, offset))
+    if not records:
+        return None
+    new_id = disk.writer_nonce + uuid.uuid4().hex[:12]
+    final = disk.segment_path(new_id)
+    segment = PendingSegment(
+        disk.tmp_dir / f"{disk.writer_token or 'anon-0'}.{final.name}.tmp", final, records, []
+    )
+    write_segment(segment)
+    if segment.error is not None:
+        raise segment.error
+    moves = [
+        (key, segment_id, old_offset, new_id, new_offset)
+        for (key, old_offset), new_offset in zip(kept, segment.offsets, strict=True)
+    ]
+    done = disk.index.blocks.move_to_segment(moves)
+    for key in done:
+        disk.forget_cached(key)
+    if not done:
+        final.unlink(missing_ok=True)
+        return None
+    if disk.index.blocks.segment_refs(segment_id) == 0:
+        old_path.unlink(missing_ok=True)
+    return final.stat().st_size, len(done), skipped

@@ -1,0 +1,135 @@
+"""Reading many records out of segment files in large sequential ranges.
+
+A restore wants a chain of blocks; those a checkpoint wrote together sit back to back in one
+segment file. Reading them one ``pread`` per block costs a system call and a page-cache miss
+pattern per block; reading them as one stream lets the kernel's readahead keep the disk busy
+(on this machine one sequential stream reads about 2x faster than 8 threads reading blocks in
+parallel). :func:`plan_chunks` groups the wanted records per segment, in file order, into chunks
+of about ``chunk_bytes`` (reading through small holes that deleted blocks left);
+:func:`read_chunks` reads them one after another into buffers the caller hands back once it has
+verified and decoded a chunk, so reading the next chunk overlaps with decoding this one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstrata.keys import BlockKey
+from kvstrata.store.index.block_rows import Placement
+
+CHUNK_BYTES = 4 << 20
+"""Bytes per read (at least one record): large enough for the disk, small enough to overlap with
+decoding and to stay in the CPU's caches between the kernel's copy and the decode."""
+MAX_GAP = 1 << 20
+"""A hole up to this size between two wanted records is read through rather than skipped."""
+
+
+@dataclass(slots=True)
+class Extent:
+    """One wanted record: the caller's ``position`` for it, its key and where it lies."""
+
+    position: int
+    key: BlockKey
+    placement: Placement
+
+    @property
+    def offset(self) -> int:
+        assert self.placement.offset is not None
+        return self.placement.offset
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A range of one segment holding ``extents`` (in file order), read with one ``preadv``."""
+
+    path: Path
+    segment_id: str
+    start: int
+    end: int
+    extents: list[Extent]
+    data: memoryview = field(default_factory=lambda: memoryview(b""))
+    buffer: bytearray | None = None
+
+    def record(self, extent: Extent) -> memoryview | None:
+        """The extent's bytes, or None when the read stopped short of them (a truncated file)."""
+        begin = extent.offset - self.start
+        end = begin + extent.placement.nbytes
+        return self.data[begin:end] if end <= len(self.data) else None
+
+
+def plan_chunks(
+    extents: Sequence[Extent], paths: dict[str, Path], chunk_bytes: int = CHUNK_BYTES
+) -> list[Chunk]:
+    """``extents`` (all in segments) as chunks: per segment in file order, a new chunk wherever
+    the next record would pass ``chunk_bytes`` or lies past a hole larger than ``MAX_GAP``."""
+    by_segment: dict[str, list[Extent]] = {}
+    for extent in extents:
+        by_segment.setdefault(extent.placement.file_id, []).append(extent)
+    chunks: list[Chunk] = []
+    for segment_id, members in by_segment.items():
+        members.sort(key=lambda e: e.offset)
+        current: Chunk | None = None
+        for extent in members:
+            end = extent.offset + extent.placement.nbytes
+            if (
+                current is not None
+                and extent.offset - current.end <= MAX_GAP
+                and extent.offset >= current.end
+                and end - current.start <= chunk_bytes
+            ):
+                current.extents.append(extent)
+                current.end = end
+                continue
+            current = Chunk(paths[segment_id], segment_id, extent.offset, end, [extent])
+            chunks.append(current)
+    return chunks
+
+
+def read_chunks(
+    chunks: Sequence[Chunk], buffers: queue.Queue[bytearray]
+) -> Iterator[tuple[Chunk, OSError | None]]:
+    """Read each chunk into a buffer taken from ``buffers`` (waiting until the consumer puts one
+    back), one segment file open at a time, in order; yields each chunk with the error that
+    stopped its read (the chunk's buffer is then already back in ``buffers``)."""
+    fd: int | None = None
+    open_path: Path | None = None
+    open_error: OSError | None = None
+    try:
+        for chunk in chunks:
+            if chunk.path != open_path:
+                if fd is not None:
+                    os.close(fd)
+                    fd = None
+                open_path, open_error = chunk.path, None
+                try:
+                    fd = os.open(chunk.path, os.O_RDONLY)
+                except OSError as exc:
+                    open_error = exc
+            if fd is None:
+                yield chunk, open_error
+                continue
+            length = chunk.end - chunk.start
+            buffer = buffers.get()
+            if len(buffer) < length:
+                buffer = bytearray(length)
+            view = memoryview(buffer)[:length]
+            got = 0
+            try:
+                while got < length:
+                    n = os.preadv(fd, [view[got:]], chunk.start + got)
+                    if n == 0:
+                        break
+                    got += n
+            except OSError as exc:
+                buffers.put(buffer)
+                yield chunk, exc
+                continue
+            chunk.buffer, chunk.data = buffer, view[:got]
+            yield chunk, None
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -1,0 +1,87 @@
+"""What a store holds on disk, record by record: block files and the records inside segments.
+
+Tests that count, corrupt or remove stored blocks go through these helpers, so they address a
+block's record wherever the disk tier put it (a ``.kvbin`` file of its own, or a range of a
+``.kvseg`` segment that a group commit wrote)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstrata.keys import BlockKey
+from kvstrata.store import KVStore
+from kvstrata.store.kvbin import scan_records
+
+
+def record_files(root: Path, sub: str = "") -> list[Path]:
+    """Block files and segments under ``root`` (``sub``: only ``hot``, ``cold`` or ``segments``)."""
+    subs = [sub] if sub else ["hot", "cold", "segments"]
+    return sorted(p for s in subs for p in (root / s).rglob("*") if p.suffix in (".kvbin", ".kvseg"))
+
+
+def records(root: Path, sub: str = "") -> list[tuple[str, Path, int]]:
+    """(key hex, file, offset) of every record on disk, deleted ones still inside a segment
+    included (see :func:`live_records`)."""
+    found = []
+    for path in record_files(root, sub):
+        for offset, header in scan_records(path.read_bytes(), path):
+            found.append((header.key.hex(), path, offset))
+    return found
+
+
+def live_records(store: KVStore, sub: str = "") -> list[tuple[str, Path, int]]:
+    """The records on disk that the index names (what L3 holds)."""
+    named = set()
+    for row in store.disk.rows():
+        found = store.disk.locate(row.key)
+        if found is not None:
+            named.add((str(found[0]), found[1]))
+    return [r for r in records(store.root, sub) if (str(r[1]), r[2]) in named]
+
+
+def flip_byte(store: KVStore, key: BlockKey, at: int = 200) -> Path:
+    """Flip one bit of ``key``'s record, ``at`` bytes into it; the file it lies in."""
+    found = store.disk.locate(key)
+    assert found is not None, "block not in L3"
+    path, offset, nbytes = found
+    assert at < nbytes
+    with open(path, "r+b") as f:
+        f.seek(offset + at)
+        byte = f.read(1)[0]
+        f.seek(offset + at)
+        f.write(bytes([byte ^ 0x10]))
+    return path
+
+
+def overwrite_record(store: KVStore, key: BlockKey, data: bytes) -> None:
+    """Write ``data`` where ``key``'s record starts (a foreign record in its place)."""
+    found = store.disk.locate(key)
+    assert found is not None, "block not in L3"
+    path, offset, _ = found
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def record_bytes(store: KVStore, key: BlockKey) -> bytes:
+    found = store.disk.locate(key)
+    assert found is not None, "block not in L3"
+    path, offset, nbytes = found
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(nbytes)
+
+
+def files_and_index(store: KVStore) -> tuple[set[tuple[object, ...]], set[tuple[object, ...]]]:
+    """(what lies on disk, what the index names): block files as (key, file id, cold), segments
+    as ("segment", id). Equal sets mean no orphan file and no row without its file."""
+    from kvstrata.store.tiers.disk import parse_file_name
+
+    indexed: set[tuple[object, ...]] = set()
+    for row in store.disk.rows():
+        indexed.add(("segment", row.file_id) if row.offset is not None else (row.key, row.file_id, row.cold))
+    on_disk: set[tuple[object, ...]] = {("segment", sid) for sid, _ in store.disk.iter_segments()}
+    for path, cold in store.disk.iter_files():
+        parsed = parse_file_name(path.name)
+        on_disk.add((*parsed, cold) if parsed is not None else (path.name,))
+    return on_disk, indexed

@@ -1,0 +1,251 @@
+"""Issue 14: L3 segment files. A checkpoint's blocks land in one segment (one fsync, one index
+transaction) and a restore streams them back; a damaged record costs only its own block; holes
+left by deleted blocks are counted and compacted (`kvstrata gc --compact`) crash-safely; a store
+of index format 2 (one file per block) is read as it is and migrated."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvstrata import GcConfig, KVStore
+from kvstrata.cli.main import app
+from kvstrata.store.compaction import compact_segments
+from kvstrata.store.index.block_rows import BlockTable
+from kvstrata.store.lifecycle import collect_garbage
+from kvstrata.store.tiers.base import TierLevel
+
+from conftest import LAYOUT, token_kv
+from stored import files_and_index, flip_byte, record_files
+
+Factory = Callable[..., KVStore]
+COMPACTOR = Path(__file__).with_name("compact_writer.py")
+NO_GRACE = GcConfig(grace_s=0.0, unreferenced_after_s=0.0)
+
+
+def _fill(store: KVStore, sid: str, first_token: int, blocks: int) -> list[int]:
+    session = store.create_session(sid, exist_ok=True)
+    tokens = list(range(first_token, first_token + blocks * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.checkpoint(session)
+    return tokens
+
+
+def _whole(store: KVStore, sid: str, tokens: list[int]) -> bool:
+    loaded = store.load(store.session(sid))
+    return loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+
+
+def _disk_only(open_store: Factory, root: Path | None = None) -> KVStore:
+    return open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
+
+
+def test_a_checkpoint_is_one_segment_read_back_as_a_stream(open_store: Factory) -> None:
+    store = _disk_only(open_store)
+    tokens = _fill(store, "s", 0, 12)
+    keys = store.session("s").block_keys
+    places = [store.disk.locate(k) for k in keys]
+    assert all(p is not None for p in places)
+    paths = {p[0] for p in places if p is not None}
+    assert len(paths) == 1 and next(iter(paths)).suffix == ".kvseg"  # one file for the checkpoint
+    offsets = [p[1] for p in places if p is not None]
+    assert offsets == sorted(offsets) and offsets[0] == 0  # back to back, in chain order
+    store.close()
+    reopened = _disk_only(open_store)
+    loaded = reopened.load(reopened.session("s"))
+    assert loaded.tokens_by_tier == {TierLevel.L3: len(tokens)}
+    assert _whole(reopened, "s", tokens)
+
+    result = CliRunner().invoke(app, ["inspect", str(next(iter(paths))), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert [r["key"] for r in report["records"]] == [k.hex() for k in keys] and not report["damaged"]
+    assert all(r["crc32c"] == "ok" for r in report["records"])
+
+
+def test_a_damaged_record_costs_only_its_own_block(open_store: Factory, tmp_path: Path) -> None:
+    store = _disk_only(open_store)
+    tokens = _fill(store, "s", 0, 6)
+    keys = store.session("s").block_keys
+    segment = flip_byte(store, keys[3])
+    store.close()
+    result = CliRunner().invoke(app, ["inspect", str(segment)])
+    assert result.exit_code == 1 and "offset" in result.output and "CRC32C" in result.output
+
+    reopened = _disk_only(open_store)
+    loaded = reopened.load(reopened.session("s"))
+    assert loaded.missing_from_token == 3 * LAYOUT.block_tokens  # the chain stops at the damaged block
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens[: 3 * LAYOUT.block_tokens]))  # type: ignore[arg-type]
+    assert reopened.counters.corrupt_blocks == 1
+    (quarantined,) = (tmp_path / "store" / "quarantine").iterdir()
+    assert quarantined.name.startswith(keys[3].hex())  # the record was copied aside, the segment stays
+    assert segment.exists() and not reopened.contains(keys[3])
+    assert all(reopened.contains(k) for i, k in enumerate(keys) if i != 3)
+
+
+def test_holes_are_counted_and_compaction_gives_them_back(open_store: Factory) -> None:
+    store = _disk_only(open_store)
+    kept = _fill(store, "kept", 0, 4)
+    _fill(store, "gone", 10_000, 4)
+    both = store.create_session("both")
+    more = list(range(20_000, 20_000 + 8 * LAYOUT.block_tokens))
+    store.append(both, more, token_kv(LAYOUT, more))
+    store.checkpoint(both)
+    store.truncate(both, 2 * LAYOUT.block_tokens)  # 6 of its 8 blocks no longer named
+    store.checkpoint(both)
+    store.delete_session("gone")
+    collect_garbage(store, NO_GRACE)
+    l3 = store.stats().tiers[-1]
+    assert l3.tier == "L3" and l3.fragmentation_bytes == 6 * store.disk.block_bytes(both.block_keys[0])
+    segment = store.disk.path_of(both.block_keys[0])
+
+    report = collect_garbage(
+        store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5)
+    )
+    assert report.segments_compacted == 1 and report.compacted_bytes > 0
+    assert segment is not None and not segment.exists()  # the old segment went with its last row
+    assert store.stats().tiers[-1].fragmentation_bytes == 0
+    assert _whole(store, "kept", kept) and _whole(store, "both", more[: 2 * LAYOUT.block_tokens])
+    on_disk, indexed = files_and_index(store)
+    assert on_disk == indexed
+
+
+def test_compaction_crash_before_the_commit_leaves_an_orphan_gc_removes(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _disk_only(open_store)
+    session = store.create_session("s")
+    tokens = list(range(8 * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.checkpoint(session)
+    store.truncate(session, 2 * LAYOUT.block_tokens)
+    store.checkpoint(session)
+    collect_garbage(store, NO_GRACE)
+    before = record_files(store.root, "segments")
+
+    def crash(self: BlockTable, moves: object) -> list[object]:
+        raise OSError("simulated crash between the new segment and its index commit")
+
+    monkeypatch.setattr(BlockTable, "move_to_segment", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        compact_segments(store.disk, 0.5)
+    monkeypatch.undo()
+    assert len(record_files(store.root, "segments")) == len(before) + 1  # the new segment, unindexed
+    assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])  # still read from the old one
+    store.close()  # the process "died": its writes in flight are no longer protected
+    store = _disk_only(open_store)
+    assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
+    collect_garbage(store, NO_GRACE)
+    assert record_files(store.root, "segments") == before
+    on_disk, indexed = files_and_index(store)
+    assert on_disk == indexed
+
+
+def test_compaction_crash_after_the_commit_leaves_the_old_segment_to_gc(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _disk_only(open_store)
+    session = store.create_session("s")
+    tokens = list(range(8 * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.checkpoint(session)
+    store.truncate(session, 2 * LAYOUT.block_tokens)
+    store.checkpoint(session)
+    collect_garbage(store, NO_GRACE)
+    old = store.disk.path_of(session.block_keys[0])
+    real = BlockTable.segment_refs
+    monkeypatch.setattr(BlockTable, "segment_refs", lambda self, segment_id: 1)  # "crash" before the unlink
+    report = compact_segments(store.disk, 0.5)
+    monkeypatch.setattr(BlockTable, "segment_refs", real)
+    assert report.blocks_moved == 2 and old is not None and old.exists()
+    assert store.disk.path_of(session.block_keys[0]) != old
+    assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
+    store.close()  # the process "died"
+    store = _disk_only(open_store)
+    collect_garbage(store, NO_GRACE)
+    assert not old.exists()
+    assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
+    on_disk, indexed = files_and_index(store)
+    assert on_disk == indexed
+
+
+def test_a_reader_whose_segment_was_compacted_away_reads_the_new_one(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    reader = _disk_only(open_store)
+    session = reader.create_session("s")
+    tokens = list(range(8 * LAYOUT.block_tokens))
+    reader.append(session, tokens, token_kv(LAYOUT, tokens))
+    reader.checkpoint(session)
+    reader.truncate(session, 3 * LAYOUT.block_tokens)
+    reader.checkpoint(session)
+    assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # placements now cached here
+    old = reader.disk.path_of(session.block_keys[0])
+    other = _disk_only(open_store, tmp_path / "store")  # a second handle: another process's view
+    collect_garbage(other, GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5))
+    assert old is not None and not old.exists()
+    assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # asked the index again
+    assert not reader.disk.lost and reader.counters.corrupt_blocks == 0
+
+
+def test_a_format_2_store_is_read_as_it_is_and_migrated(open_store: Factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = _disk_only(open_store, root)
+    session = store.create_session("s")
+    tokens = list(range(3 * LAYOUT.block_tokens))
+    for i in range(3):  # one block a write: files of their own, as format 2 wrote them
+        part = tokens[i * LAYOUT.block_tokens : (i + 1) * LAYOUT.block_tokens]
+        store.append(session, part, token_kv(LAYOUT, part, i * LAYOUT.block_tokens))
+        store.checkpoint(session)
+    assert not record_files(root, "segments")
+    store.close()
+    db = sqlite3.connect(root / "index.sqlite")
+    db.execute("DROP INDEX blocks_by_file")
+    db.execute("ALTER TABLE blocks DROP COLUMN seg_offset")
+    db.execute("UPDATE meta SET value = '2' WHERE name = 'format_version'")
+    db.commit()
+    db.close()
+
+    with KVStore(root, read_only=True) as old:  # read as it is, nothing changed
+        assert torch.equal(old.load(old.session("s")).kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+    migrated = _disk_only(open_store, root)
+    assert migrated.index.get_meta("format_version") == "3"
+    assert _whole(migrated, "s", tokens)
+    _fill(migrated, "new", 5_000, 4)
+    assert migrated.disk.path_of(migrated.session("new").block_keys[0]).suffix == ".kvseg"  # type: ignore[union-attr]
+
+
+def test_kill9_during_compaction_loses_nothing_and_gc_leaves_no_orphan(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    rng = random.Random(21)
+    for trial in range(5):
+        child = subprocess.Popen(
+            [sys.executable, str(COMPACTOR), str(root), str(trial)], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.3, 1.2))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        with KVStore(root, LAYOUT, model_fingerprint=b"test-model") as store:
+            for info in store.list_sessions():  # every checkpointed session whole, bit for bit
+                session = store.session(info.id)
+                if not session.token_ids:
+                    continue  # created, killed before its first checkpoint
+                loaded = store.load(session)
+                assert loaded.missing_from_token is None, f"trial {trial}: {info.id}"
+                assert torch.equal(loaded.kv, token_kv(LAYOUT, session.token_ids)), f"trial {trial}"  # type: ignore[arg-type]
+            assert store.counters.corrupt_blocks == 0 and not store.disk.lost
+            collect_garbage(store, NO_GRACE)
+            on_disk, indexed = files_and_index(store)
+            assert on_disk == indexed, f"trial {trial}"
