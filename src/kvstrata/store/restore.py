@@ -153,12 +153,13 @@ class Restorer:
     ) -> list[Extent]:
         """The blocks at ``positions`` that L3 holds in segments, in a codec the caller accepts
         (the others take the per-block path); none unless at least two."""
-        placement_of = getattr(self.tiered.disk, "placement", None)
-        if placement_of is None or len(positions) < 2:
+        placements_of = getattr(self.tiered.disk, "placements", None)
+        if placements_of is None or len(positions) < 2:
             return []
+        placements = placements_of([keys[i] for i in positions])
         extents = []
         for i in positions:
-            placement = placement_of(keys[i])
+            placement = placements.get(keys[i])
             if (
                 placement is not None
                 and placement.in_segment

@@ -284,6 +284,19 @@ class BlockTable:
         rows = self.db.query(f"SELECT key, {self._sql(_PLACEMENT)} FROM blocks")
         return {BlockKey(row[0]): _placement(row[1:]) for row in rows}
 
+    def placements_of(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Placement]:
+        """The placement of each of ``keys`` that has a row (in chunks, within SQLite's parameter
+        limit): one query per 500 keys instead of one per key (a restarted process restoring a
+        long session)."""
+        found: dict[BlockKey, Placement] = {}
+        columns = self._sql(_PLACEMENT)
+        for i in range(0, len(keys), 500):
+            chunk = keys[i : i + 500]
+            marks = ", ".join("?" * len(chunk))
+            rows = self.db.query(f"SELECT key, {columns} FROM blocks WHERE key IN ({marks})", chunk)
+            found.update((BlockKey(row[0]), _placement(row[1:])) for row in rows)
+        return found
+
     def present(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
         """Which of ``keys`` have a row (in chunks, within SQLite's parameter limit)."""
         found: set[BlockKey] = set()

@@ -152,6 +152,13 @@ class DiskTier:
         """Where ``key`` is (this process's cache of the index, asked when not cached)."""
         return self._placement(key)
 
+    def placements(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Placement]:
+        """:meth:`placement` of many keys, the ones not cached asked of the index at once."""
+        unknown = [k for k in keys if k not in self._cache]
+        if unknown:
+            self._cache.update(self.index.blocks.placements_of(unknown))
+        return {k: p for k in keys if (p := self._cache.get(k)) is not None}
+
     def _placement(self, key: BlockKey) -> Placement | None:
         placement = self._cache.get(key)
         if placement is None:
