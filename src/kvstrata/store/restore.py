@@ -216,6 +216,8 @@ class Restorer:
         if not hits:
             return {}
         self._copy_hits(hits, buffer, copier)
+        if copier.cuda:
+            copier.finish()  # a promotion copies from the destination: after the staged copies into it
         bt = self.layout.block_tokens
         served: dict[TierLevel, int] = {}
         with tiered.lock:
