@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from kvstrata.keys import BlockKey
 from kvstrata.policy import BlockStats
 from kvstrata.priority import Priority, higher_priority
+from kvstrata.store.block import KVBlock
 
 
 class BlockStatsTable:
@@ -44,6 +45,23 @@ class BlockStatsTable:
         if priority is not None:
             stats.priority = priority if stats.priority is None else higher_priority(stats.priority, priority)
         return stats
+
+    def touch_many(self, blocks: Iterable[KVBlock], priority: Priority | None = None) -> None:
+        """:meth:`touch` each of ``blocks`` (a chain just read), recording its namespace where
+        none is known yet (call with the lock held). One call for a whole chain: per block this is
+        a few attribute writes, which a call per block would double."""
+        table = self._stats
+        for block in blocks:
+            stats = table.get(block.key)
+            if stats is None:
+                stats = self.ensure(block.key, block.num_tokens)
+            stats.record_access(time.monotonic())
+            stats.start_pos = block.start_pos
+            if priority is not None:
+                stats.priority = (
+                    priority if stats.priority is None else higher_priority(stats.priority, priority)
+                )
+            stats.namespace = stats.namespace or block.namespace
 
     def forget(self, key: BlockKey) -> None:
         self._stats.pop(key, None)

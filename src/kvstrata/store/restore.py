@@ -26,14 +26,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvstrata import codecs
 from kvstrata.codecs import CodecId, EncodedBlock
+from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
@@ -41,7 +43,7 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, Chunk, Extent, plan_chunks, read_chunks
-from kvstrata.transfer import DeviceCopier, copy_tensor
+from kvstrata.transfer import DeviceCopier, copy_tensor, host_array
 
 if TYPE_CHECKING:
     from kvstrata.store.placement import TieredStore
@@ -112,12 +114,9 @@ class Restorer:
         # copying a small block); blocks in L3 segments are streamed; the others go to the pool.
         results: list[tuple[int, TierLevel] | None] = [None] * count
         missing: list[int] = []
-        for i in range(count):
-            hit = self._memory_into(keys[i], room(i), copier, priority, max_loss)
-            if hit is not None:
-                results[i] = hit
-            else:
-                missing.append(i)
+        hits = self._memory_chain(keys[:count], buffer, copier, priority, max_loss, missing.append)
+        for i, hit in hits.items():
+            results[i] = hit
         extents = self._segment_extents(keys, missing, max_loss)
         streamed = {e.position for e in extents}
         elsewhere: dict[int, Future[tuple[int, TierLevel] | None] | None] = {
@@ -294,6 +293,84 @@ class Restorer:
         block, level = source
         self._decode(block, room, copier)
         return self._served(key, block, level, room, priority, started)
+
+    def _memory_chain(
+        self,
+        keys: Sequence[BlockKey],
+        buffer: torch.Tensor,
+        copier: DeviceCopier,
+        priority: Priority | None,
+        max_loss: int | None,
+        missing: Callable[[int], None],
+    ) -> dict[int, tuple[int, TierLevel]]:
+        """:meth:`_memory_into` for a whole chain: the blocks a memory tier (or the L3 writer's
+        queue) holds are decoded into their slices of ``buffer`` (block ``i`` at token
+        ``i * block_tokens``); (tokens, tier) by index. ``missing(i)`` is called for every other
+        block once all are looked up, before the first copy, so their reads overlap the copies.
+
+        Per block, the copy of a small block takes a few microseconds, so the work around it is
+        batched: one lock for all the lookups, one for all the accounting (hits, block stats,
+        promotions), one clock reading per chain (its time is shared among the tiers by blocks
+        served). The caller holds ``keys``, so the views found stay valid after the lock."""
+        tiered = self.tiered
+        started = time.perf_counter()
+        with tiered.lock:
+            sources = [self._memory_source(key, max_loss, views=True) for key in keys]
+        hits: list[tuple[int, KVBlock, TierLevel]] = []
+        for i, source in enumerate(sources):
+            if source is None:
+                missing(i)
+            else:
+                hits.append((i, *source))
+        if not hits:
+            return {}
+        self._copy_hits(hits, buffer, copier)
+        if copier.cuda:
+            copier.finish()  # a promotion copies from the destination: after the staged copies into it
+        bt = self.layout.block_tokens
+        served: dict[TierLevel, int] = {}
+        with tiered.lock:
+            tiered.stats.touch_many((block for _, block, _ in hits), priority)
+            top = tiered.memory_tiers[0].level if tiered.memory_tiers else None
+            for i, block, level in hits:
+                served[level] = served.get(level, 0) + 1
+                if level is not top and tiered.may_promote(block.key, True):
+                    tiered.promote(self._resident(block, buffer[:, :, :, i * bt : (i + 1) * bt]), level)
+            elapsed = time.perf_counter() - started
+            for level, blocks in served.items():
+                counters = tiered.counters.tiers[level]
+                counters.hits += blocks
+                counters.load_seconds += elapsed * blocks / len(hits)
+        return {i: (block.num_tokens, level) for i, block, level in hits}
+
+    def _copy_hits(
+        self, hits: list[tuple[int, KVBlock, TierLevel]], buffer: torch.Tensor, copier: DeviceCopier
+    ) -> None:
+        """Decode each hit ``(i, block, _)`` into block ``i``'s slice of ``buffer``. Into host
+        memory without staging, through numpy views (a torch slice costs microseconds, a numpy
+        one a tenth of that): an L1 block is one copy, an exact L2 block one copy of its bytes."""
+        bt = self.layout.block_tokens
+        if buffer.device.type != "cpu" or copier.staged:
+            for i, block, _ in hits:
+                self._decode(block, buffer[:, :, :, i * bt : (i + 1) * bt], copier)
+            return
+        array = host_array(buffer)
+        per_token = self.layout.bytes_per_token
+        for i, block, _ in hits:
+            tokens = block.num_tokens
+            dest = array[:, :, :, i * bt : i * bt + tokens]
+            tensor = block.tensor
+            encoded = block.encoded
+            if tensor is not None and tensor.device.type == "cpu" and tensor.dtype == buffer.dtype:
+                np.copyto(dest, host_array(tensor))
+            elif tensor is None and encoded is not None and encoded.codec == CodecId.IDENTITY:
+                if len(encoded.payload) != tokens * per_token:
+                    raise CorruptBlockError(
+                        f"identity payload has {len(encoded.payload)} bytes, expected {tokens * per_token}"
+                    )
+                np.copyto(dest, np.frombuffer(encoded.payload, dtype=array.dtype).reshape(dest.shape))
+            else:
+                self._decode(block, buffer[:, :, :, i * bt : (i + 1) * bt], copier)
 
     def _served(
         self,

@@ -31,6 +31,9 @@ class DeviceTier:
         self._pool = torch.empty(
             (self.num_slots, *layout.block_shape()), dtype=layout.torch_dtype, device=self.device
         )
+        self._slot_views: list[torch.Tensor] = list(self._pool.unbind(0))
+        """A view of each slot, made once: indexing the pool per block costs more than a small
+        block's copy."""
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots: dict[BlockKey, tuple[int, int, int]] = {}  # key -> (slot, num_tokens, start_pos)
         self._stored = 0
@@ -43,7 +46,10 @@ class DeviceTier:
         if entry is None:
             return None
         slot, num_tokens, start_pos = entry
-        return KVBlock(key, num_tokens, start_pos, tensor=self._pool[slot, :, :, :, :num_tokens])
+        tensor = self._slot_views[slot]
+        if num_tokens != self.layout.block_tokens:
+            tensor = tensor[:, :, :, :num_tokens]
+        return KVBlock(key, num_tokens, start_pos, tensor)
 
     def codec_of(self, key: BlockKey) -> int | None:
         return int(CodecId.IDENTITY) if key in self._slots else None

@@ -75,6 +75,7 @@ class HostTier:
         arena = torch.empty(self.budget_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._arena: np.ndarray = arena.numpy()
         self._arena_tensor = arena  # keeps the (possibly pinned) allocation alive
+        self._arena_bytes = memoryview(self._arena)  # sliced per view: cheaper than a numpy slice
         # Pages are handed out lazily (never-used ones from a counter), so opening a large arena
         # costs nothing per page.
         self._next_page = 0
@@ -152,7 +153,7 @@ class HostTier:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        payload = memoryview(self._arena[entry.offset : entry.offset + entry.payload_len]).cast("B")
+        payload = self._arena_bytes[entry.offset : entry.offset + entry.payload_len]
         encoded = EncodedBlock(entry.codec, entry.params, payload, entry.num_tokens)
         return KVBlock(key, entry.num_tokens, entry.start_pos, None, encoded)
 

@@ -1,0 +1,165 @@
+"""Issue 14: a chain's memory hits are looked up, copied and accounted for in batches
+(``Restorer._memory_chain``); what a restore records must be exactly what reading the chain block
+by block (``Restorer.read_into``, the per-block path) records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata import KVStore
+from kvstrata.keys import BlockKey
+from kvstrata.store.block import KVBlock
+from kvstrata.store.tiers.base import TierLevel
+from kvstrata.transfer import DeviceCopier
+
+from conftest import LAYOUT, token_kv
+
+Factory = Callable[..., KVStore]
+BT = LAYOUT.block_tokens
+TOKENS = list(range(100, 100 + 12 * BT + 2))  # 12 full blocks and a 2-token tail
+PLACES = "1111222233132"
+"""Where block i lives before the restore: 1 = L1 (and L3), 2 = L2 (and L3), 3 = L3 only."""
+
+
+def _arranged(open_store: Factory, root: Path, **config: object) -> tuple[KVStore, list[BlockKey]]:
+    """A store holding one session whose blocks are spread over L1, L2 and L3 as ``PLACES`` says,
+    its block stats forgotten (as in a new process: the restore must record them again)."""
+    store = open_store(root, l1_budget_bytes=64 * LAYOUT.bytes_per_block, l2_budget_bytes=1 << 22, **config)
+    session = store.create_session("s", "tenant", priority="interactive")
+    store.append(session, TOKENS, token_kv(LAYOUT, TOKENS))
+    store.checkpoint(session)
+    store.flush()
+    tiered = store.tiered
+    l1, l2 = tiered.tier(TierLevel.L1), tiered.tier(TierLevel.L2)
+    keys = session.all_keys()
+    assert len(keys) == len(PLACES)
+    for key, place in zip(keys, PLACES, strict=True):
+        block = l1.get(key)
+        assert block is not None and block.tensor is not None
+        if place == "2":
+            assert l2.put(KVBlock(key, block.num_tokens, block.start_pos, block.tensor.clone()))
+        if place != "1":
+            l1.remove(key)
+        tiered.stats.forget(key)
+    assert [str(int(tiered.where(k))) for k in keys] == list(PLACES)  # type: ignore[arg-type]
+    return store, keys
+
+
+def _per_block(store: KVStore, keys: list[BlockKey]) -> torch.Tensor:
+    """The chain read the way a restore read it before batching: block after block, in order."""
+    tiered = store.tiered
+    session = store.session("s", "tenant")
+    prio = session.priority
+    max_loss = store.config.ladder.max_loss_rank(prio)
+    buffer = torch.empty(LAYOUT.block_shape(len(keys) * BT), dtype=LAYOUT.torch_dtype)
+    copier = DeviceCopier(buffer.device)
+    with tiered.stats.hold(keys):
+        for i, key in enumerate(keys):
+            room = buffer[:, :, :, i * BT : (i + 1) * BT]
+            assert tiered.restorer.read_into(key, room, copier, prio, max_loss) is not None
+    return buffer[:, :, :, : len(TOKENS)]
+
+
+def _record(store: KVStore, keys: list[BlockKey]) -> dict[str, object]:
+    """Everything a read of the chain leaves behind, bar the clock: counters, stats, placement."""
+    tiered = store.tiered
+    counters = {
+        level.name: (c.hits, c.misses, c.promotions, c.rejected) for level, c in tiered.counters.tiers.items()
+    }
+    stats = []
+    for key in keys:
+        s = tiered.stats.get(key)
+        assert s is not None
+        stats.append((s.access_count, len(s.history), s.priority, s.namespace, s.start_pos, s.ref_count))
+    where = [tiered.where(k) for k in keys]
+    return {"counters": counters, "stats": stats, "where": where, "lossy": tiered.counters.rejected_lossy}
+
+
+def _restore_matches_the_per_block_path(
+    open_store: Factory, tmp_path: Path, *, staged: bool = False, **config: object
+) -> dict:
+    batched, keys = _arranged(open_store, tmp_path / "batched", **config)
+    batched.tiered.restorer.stage_host_copies = staged  # the GPU path's logic, on the CPU
+    reference, ref_keys = _arranged(open_store, tmp_path / "reference", **config)
+    assert keys == ref_keys
+    loaded = batched.load(batched.session("s", "tenant"))
+    kv = _per_block(reference, ref_keys)
+    assert loaded.missing_from_token is None
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, TOKENS))  # type: ignore[arg-type]
+    assert torch.equal(kv, token_kv(LAYOUT, TOKENS))
+    record = _record(batched, keys)
+    assert record == _record(reference, ref_keys)
+    return {"record": record, "loaded": loaded, "store": batched}
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_mixed_chain_is_accounted_for_exactly_as_block_by_block(
+    open_store: Factory, tmp_path: Path, staged: bool
+) -> None:
+    got = _restore_matches_the_per_block_path(open_store, tmp_path, staged=staged)
+    record, loaded, store = got["record"], got["loaded"], got["store"]
+    in_l1, in_l2, in_l3 = (PLACES.count(p) for p in "123")
+    counters = record["counters"]
+    assert counters["L1"] == (in_l1, 0, 0, 0)
+    assert counters["L2"] == (in_l2, 0, in_l2, 0)  # every L2 hit promoted to L1
+    assert counters["L3"] == (in_l3, 0, in_l3, 0)  # every L3 read promoted too
+    assert record["where"] == [TierLevel.L1] * len(PLACES)
+    for access_count, history, priority, _namespace, _start_pos, ref_count in record["stats"]:
+        assert (access_count, history, ref_count) == (1, 1, 0)
+        assert priority == "interactive"
+    # the namespace comes from blocks that carry it (L3's header); memory copies do not
+    assert {s[3] for s in record["stats"]} <= {"tenant", None}
+    assert [s[4] for s in record["stats"]] == [i * BT for i in range(len(PLACES))]
+    tokens = {TierLevel.L1: 0, TierLevel.L2: 0, TierLevel.L3: 0}
+    for i, place in enumerate(PLACES):
+        tokens[TierLevel(int(place))] += min(BT, len(TOKENS) - i * BT)
+    assert loaded.tokens_by_tier == tokens
+    for level in (TierLevel.L1, TierLevel.L2, TierLevel.L3):
+        assert store.tiered.counters.tiers[level].load_seconds > 0
+
+
+def test_without_promotion_on_read_hits_stay_where_they_were(open_store: Factory, tmp_path: Path) -> None:
+    got = _restore_matches_the_per_block_path(open_store, tmp_path, promote_on_read=False)
+    record = got["record"]
+    assert record["counters"]["L2"] == (PLACES.count("2"), 0, 0, 0)
+    assert [str(int(w)) for w in record["where"]] == list(PLACES)
+
+
+def test_touch_many_records_what_touch_does_and_the_namespace() -> None:
+    """What the batched accounting records per block, namespace included (memory copies other
+    than the L3 writer's queued blocks carry none, so the restore test above cannot see it)."""
+    import threading
+
+    from kvstrata.priority import Priority
+    from kvstrata.store.block_stats import BlockStatsTable
+
+    from conftest import make_block
+
+    blocks = [make_block(LAYOUT, seed) for seed in range(4)]
+    blocks[1].namespace = "tenant"
+    blocks[2].start_pos = 8
+    batched, single = BlockStatsTable(threading.RLock()), BlockStatsTable(threading.RLock())
+    for table in (batched, single):
+        table.ensure(blocks[3].key).namespace = "known"
+        table.ensure(blocks[0].key).priority = Priority.REALTIME
+    for priority in (Priority.BACKGROUND, None, Priority.INTERACTIVE):
+        batched.touch_many(blocks, priority)
+        for block in blocks:
+            stats = single.touch(block.key, block.num_tokens, priority, block.start_pos)
+            stats.namespace = stats.namespace or block.namespace
+
+    def seen(table: BlockStatsTable) -> list[tuple[object, ...]]:
+        out = []
+        for block in blocks:
+            s = table.get(block.key)
+            assert s is not None
+            out.append((s.access_count, len(s.history), s.priority, s.namespace, s.start_pos))
+        return out
+
+    assert seen(batched) == seen(single)
+    assert [s[3] for s in seen(batched)] == [None, "tenant", None, "known"]
+    assert [s[2] for s in seen(batched)] == ["realtime", "interactive", "interactive", "interactive"]
