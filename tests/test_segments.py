@@ -231,9 +231,15 @@ def test_kill9_during_compaction_loses_nothing_and_gc_leaves_no_orphan(tmp_path:
     rng = random.Random(21)
     for trial in range(5):
         child = subprocess.Popen(
-            [sys.executable, str(COMPACTOR), str(root), str(trial)], stdout=subprocess.PIPE, text=True
+            [sys.executable, str(COMPACTOR), str(root), str(trial)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.stdout is not None and child.stderr is not None
+        if child.stdout.readline().strip() != "ready":
+            child.wait()
+            raise AssertionError(f"trial {trial}: the writer did not start: {child.stderr.read()[-3000:]}")
         time.sleep(rng.uniform(0.3, 1.2))
         child.send_signal(signal.SIGKILL)
         child.wait()

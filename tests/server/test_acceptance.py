@@ -26,6 +26,8 @@ from kvstrata.integrations.transformers.model import LoadedModel, load_model, sa
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.server.auth import ApiKeys
 
+from stored import records
+
 SYSTEM = {"role": "system", "content": "You are a careful agent that keeps long notes about the trip."}
 
 # -- restart: a new server process on the same store continues the session -----------------------
@@ -230,12 +232,21 @@ def test_metrics_follow_a_scripted_scenario(model: LoadedModel, tmp_path: Path) 
         assert one(hibernated, "kvstrata_corrupt_blocks_total") == 0
 
         srv.store.flush()
-        files = sorted((tmp_path / "store").glob("**/hot/**/*.kvbin"))
-        assert files
-        for path in files:  # flip a byte in the middle of every block: the payload, not the header
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
+        stored = [
+            (key, path, offset) for key, path, offset in records(srv.store.root) if "cold" not in path.parts
+        ]
+        assert stored
+        for (
+            key,
+            path,
+            offset,
+        ) in stored:  # flip a byte in the middle of every block: the payload, not the header
+            with open(path, "r+b") as f:
+                middle = offset + srv.store.disk.block_bytes(bytes.fromhex(key)) // 2  # type: ignore[arg-type]
+                f.seek(middle)
+                byte = f.read(1)[0]
+                f.seek(middle)
+                f.write(bytes([byte ^ 0xFF]))
         messages += [
             {"role": "assistant", "content": second.choices[0].message.content},
             {"role": "user", "content": "And the train back."},

@@ -85,6 +85,7 @@ def _record_info(data: bytes | memoryview, file: Path) -> dict[str, object] | st
         "start_pos": header.start_pos,
         "codec": CodecId(header.codec).name.lower(),
         "encrypted": f"yes (AES-256-GCM, namespace {header.namespace!r})" if sealed else "no",
+        "sealed_for": header.namespace if sealed else None,
         "params_bytes": header.params_len,
         "payload_bytes": header.payload_len,
         "created": dt.datetime.fromtimestamp(header.created_ns / 1e9, dt.UTC).isoformat(),
@@ -115,8 +116,8 @@ def _inspect_segment(file: Path, data: bytes, json_out: bool) -> None:
         print_json({"file": str(file), "records": records, "damaged": damaged})
     else:
         table = Table(title=f"{file} (segment: {len(records)} records)")
-        for col in ("offset", "bytes", "key", "tokens", "codec", "crc32c"):
-            table.add_column(col, justify="left" if col in ("key", "codec") else "right")
+        for col in ("offset", "bytes", "key", "tokens", "codec", "sealed for", "crc32c"):
+            table.add_column(col, justify="left" if col in ("key", "codec", "sealed for") else "right")
         for r in records:
             table.add_row(
                 str(r["offset"]),
@@ -124,6 +125,7 @@ def _inspect_segment(file: Path, data: bytes, json_out: bool) -> None:
                 str(r["key"])[:16] + "…",
                 str(r.get("num_tokens", "?")),
                 str(r.get("codec", "?")),
+                str(r.get("sealed_for") or "-"),
                 str(r["crc32c"]),
             )
         console.print(table)

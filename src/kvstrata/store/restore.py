@@ -23,12 +23,11 @@ destination, blocks from host tiers go through the pinned staging buffers of a
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,8 +40,8 @@ from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
+from kvstrata.store.restore_stream import RETRY, SegmentStream
 from kvstrata.store.tiers.base import TierLevel
-from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, Chunk, Extent, plan_chunks, read_chunks
 from kvstrata.transfer import DeviceCopier, copy_tensor, host_array
 
 if TYPE_CHECKING:
@@ -52,10 +51,6 @@ log = logging.getLogger(__name__)
 
 _THREADS = 8
 """Blocks in flight at once: enough to keep a disk's queue full, few enough for small machines."""
-_STREAM_BUFFERS = 6
-"""Segment ranges in memory at once per restore: one being read, two being decoded."""
-_RETRY = object()
-"""A streamed record that could not be served from its range: read again the per-block way."""
 
 
 class Restorer:
@@ -66,11 +61,11 @@ class Restorer:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._local = threading.local()
-        self._stream_buffers: list[bytearray] = []
+        self.segments = SegmentStream(self)
         self.stage_host_copies = False
         """Decode host blocks through staging buffers even on the CPU (the GPU path's logic)."""
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvstrata-restore")
@@ -117,15 +112,15 @@ class Restorer:
         hits = self._memory_chain(keys[:count], buffer, copier, priority, max_loss, missing.append)
         for i, hit in hits.items():
             results[i] = hit
-        extents = self._segment_extents(keys, missing, max_loss)
+        extents = self.segments.extents(keys, missing, max_loss)
         streamed = {e.position for e in extents}
         elsewhere: dict[int, Future[tuple[int, TierLevel] | None] | None] = {
-            i: self._executor().submit(one, i) if count > 1 else None for i in missing if i not in streamed
+            i: self.executor().submit(one, i) if count > 1 else None for i in missing if i not in streamed
         }
         if extents:
-            for i, found in self._stream(extents, room, copier, priority, inference).items():
-                if found is _RETRY:
-                    elsewhere[i] = self._executor().submit(one, i)
+            for i, found in self.segments.read(extents, room, copier, priority, inference).items():
+                if found is RETRY:
+                    elsewhere[i] = self.executor().submit(one, i)
                 else:
                     results[i] = found  # type: ignore[assignment]
         for i, future in elsewhere.items():
@@ -145,98 +140,6 @@ class Restorer:
             if tokens < bt:
                 break  # the tail: nothing follows it
         return got, by_tier
-
-    # -- L3 segments, streamed ---------------------------------------------------------------------
-    def _segment_extents(
-        self, keys: Sequence[BlockKey], positions: Sequence[int], max_loss: int | None
-    ) -> list[Extent]:
-        """The blocks at ``positions`` that L3 holds in segments, in a codec the caller accepts
-        (the others take the per-block path); none unless at least two."""
-        placements_of = getattr(self.tiered.disk, "placements", None)
-        if placements_of is None or len(positions) < 2:
-            return []
-        placements = placements_of([keys[i] for i in positions])
-        extents = []
-        for i in positions:
-            placement = placements.get(keys[i])
-            if (
-                placement is not None
-                and placement.in_segment
-                and (max_loss is None or LOSS_RANK[CodecId(placement.codec)] <= max_loss)
-            ):
-                extents.append(Extent(i, keys[i], placement))
-        return extents if len(extents) >= 2 else []
-
-    def _stream(
-        self,
-        extents: list[Extent],
-        room: Any,
-        copier: DeviceCopier,
-        priority: Priority | None,
-        inference: bool,
-    ) -> dict[int, object]:
-        """Read ``extents`` range by range in this thread while the pool verifies and decodes the
-        ranges already read; per position, what :meth:`read_into` would return, or ``_RETRY``."""
-        disk = self.tiered.disk
-        segments = {e.placement.file_id for e in extents}
-        chunks = plan_chunks(extents, {segment: disk.segment_path(segment) for segment in segments})
-        buffers = self._take_buffers()
-        results: dict[int, object] = {}
-        futures: list[Future[None]] = []
-
-        def decode(chunk: Chunk) -> None:
-            try:
-                with torch.inference_mode(inference):
-                    for extent in chunk.extents:
-                        results[extent.position] = self._from_chunk(chunk, extent, room, copier, priority)
-            finally:
-                assert chunk.buffer is not None
-                buffers.put(chunk.buffer)
-
-        try:
-            for chunk, error in read_chunks(chunks, buffers):
-                if error is not None:  # gone (compacted, removed) or unreadable: the per-block path decides
-                    results.update((e.position, _RETRY) for e in chunk.extents)
-                    continue
-                futures.append(self._executor().submit(decode, chunk))
-            for future in futures:
-                future.result()
-        finally:
-            self._give_back_buffers(buffers)
-        return results
-
-    def _from_chunk(
-        self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier, priority: Priority | None
-    ) -> object:
-        started = time.perf_counter()
-        data = chunk.record(extent)
-        if data is None:
-            return _RETRY  # the file ends early: the per-block read reports it
-        disk = self.tiered.disk
-        try:
-            header, encoded = disk.verify(extent.key, data, chunk.path)
-        except VERIFY_ERRORS as exc:
-            self.tiered.counters.unreadable(exc, "L3", log)
-            return _RETRY  # quarantined: the per-block path tries L4, or counts the miss
-        if encoded.codec != extent.placement.codec:
-            return _RETRY
-        block = KVBlock(extent.key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
-        target = room(extent.position)
-        self._decode(block, target, copier)
-        return self._served(extent.key, block, disk.level, target, priority, started)
-
-    def _take_buffers(self) -> queue.Queue[bytearray]:
-        buffers: queue.Queue[bytearray] = queue.Queue()
-        with self._pool_lock:
-            for _ in range(_STREAM_BUFFERS):
-                buffers.put(self._stream_buffers.pop() if self._stream_buffers else bytearray(CHUNK_BYTES))
-        return buffers
-
-    def _give_back_buffers(self, buffers: queue.Queue[bytearray]) -> None:
-        """Keep the buffers for the next restore (already paged in)."""
-        with self._pool_lock:
-            while not buffers.empty() and len(self._stream_buffers) < _STREAM_BUFFERS:
-                self._stream_buffers.append(buffers.get_nowait())
 
     # -- one block -------------------------------------------------------------------------------
     def lookup(
@@ -273,7 +176,7 @@ class Restorer:
         if block is None:
             self._miss()
             return None
-        return self._served(key, block, level, room, priority, started)
+        return self.served(key, block, level, room, priority, started)
 
     def _memory_into(
         self,
@@ -291,8 +194,8 @@ class Restorer:
         if source is None:
             return None
         block, level = source
-        self._decode(block, room, copier)
-        return self._served(key, block, level, room, priority, started)
+        self.decode(block, room, copier)
+        return self.served(key, block, level, room, priority, started)
 
     def _memory_chain(
         self,
@@ -352,7 +255,7 @@ class Restorer:
         bt = self.layout.block_tokens
         if buffer.device.type != "cpu" or copier.staged:
             for i, block, _ in hits:
-                self._decode(block, buffer[:, :, :, i * bt : (i + 1) * bt], copier)
+                self.decode(block, buffer[:, :, :, i * bt : (i + 1) * bt], copier)
             return
         array = host_array(buffer)
         per_token = self.layout.bytes_per_token
@@ -370,9 +273,9 @@ class Restorer:
                     )
                 np.copyto(dest, np.frombuffer(encoded.payload, dtype=array.dtype).reshape(dest.shape))
             else:
-                self._decode(block, buffer[:, :, :, i * bt : (i + 1) * bt], copier)
+                self.decode(block, buffer[:, :, :, i * bt : (i + 1) * bt], copier)
 
-    def _served(
+    def served(
         self,
         key: BlockKey,
         block: KVBlock,
@@ -442,14 +345,14 @@ class Restorer:
         block = self._disk_read(key, max_loss, room is not None)
         if block is not None:
             if room is not None and copier is not None:
-                self._decode(block, room, copier)
+                self.decode(block, room, copier)
             return block, tiered.disk.level
         if tiered.remote is None:
             return None, tiered.disk.level
         block = tiered.remote.get(key, max_loss)
         if block is not None:
             if room is not None and copier is not None:
-                self._decode(block, room, copier)
+                self.decode(block, room, copier)
             tiered.disk_writer.submit(block)  # keep a local, durable copy of what another engine wrote
         return block, TierLevel.L4
 
@@ -479,7 +382,7 @@ class Restorer:
             return None
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
-    def _decode(self, block: KVBlock, room: torch.Tensor, copier: DeviceCopier) -> None:
+    def decode(self, block: KVBlock, room: torch.Tensor, copier: DeviceCopier) -> None:
         dest = room[:, :, :, : block.num_tokens]
         if block.tensor is not None:
             copy_tensor(dest, block.tensor)
