@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.errors import ConfigError
+from kvstrata.runtime import freeze_startup_heap
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +51,15 @@ def load_bench_model(
 ) -> LoadedModel:
     """SmolLM2 (``spec`` None), the tiny random Llama (``"tiny"``: saved under ``workdir``, shaped
     by ``tiny``), or a model directory / GGUF. ``attn``: sdpa (a long context needs it: eager
-    attention materializes every score) or eager."""
+    attention materializes every score) or eager. Start-up's objects are then frozen out of the
+    garbage collector (:func:`kvstrata.runtime.freeze_startup_heap`), as in ``kvstrata serve``, so
+    that a full collection does not land in a measurement."""
+    loaded = _load(spec, workdir=workdir, attn=attn, tiny=tiny)
+    freeze_startup_heap()
+    return loaded
+
+
+def _load(spec: str | Path | None, *, workdir: Path | None, attn: str, tiny: TinyShape | None) -> LoadedModel:
     from kvstrata.cli.progress import stderr_is_terminal
     from kvstrata.integrations.transformers.model import load_model, save_tiny_llama
 

@@ -101,6 +101,7 @@ def serve(
 
         from kvstrata.engine import Engine
         from kvstrata.integrations.transformers.model import load_model
+        from kvstrata.runtime import freeze_startup_heap
         from kvstrata.server import ServerConfig, create_app
         from kvstrata.store import KVStore
 
@@ -117,6 +118,8 @@ def serve(
             memory_modes=modes,
             track_importance=any(m.kind is MemoryModeKind.IMPORTANCE for m in modes.values()),
         )
+
+        freeze_startup_heap()  # a full garbage collection would stop requests for ~100 ms
 
         def shutdown() -> None:
             # flushes queued writes, persists the counters and closes the index

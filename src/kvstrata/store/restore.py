@@ -118,7 +118,7 @@ class Restorer:
             i: self.executor().submit(one, i) if count > 1 else None for i in missing if i not in streamed
         }
         if extents:
-            for i, found in self.segments.read(extents, room, copier, priority, inference).items():
+            for i, found in self.segments.read(extents, buffer, room, copier, priority, inference).items():
                 if found is RETRY:
                     elsewhere[i] = self.executor().submit(one, i)
                 else:
@@ -230,6 +230,19 @@ class Restorer:
         self._copy_hits(hits, buffer, copier)
         if copier.cuda:
             copier.finish()  # a promotion copies from the destination: after the staged copies into it
+        return self.account_hits(hits, buffer, priority, started)
+
+    def account_hits(
+        self,
+        hits: Sequence[tuple[int, KVBlock, TierLevel]],
+        buffer: torch.Tensor,
+        priority: Priority | None,
+        started: float,
+    ) -> dict[int, tuple[int, TierLevel]]:
+        """Count, record and promote the hits ``(i, block, tier)`` already decoded into block
+        ``i``'s slice of ``buffer``, under one hold of the store's lock (their time since
+        ``started`` shared among their tiers by blocks served); (tokens, tier) by index."""
+        tiered = self.tiered
         bt = self.layout.block_tokens
         served: dict[TierLevel, int] = {}
         with tiered.lock:

@@ -6,7 +6,10 @@ is slower still on this machine's disk (one sequential stream reads about 2x fas
 small reads). :class:`SegmentStream` reads the wanted records as ranges of about 4 MiB
 (:mod:`~kvstrata.store.tiers.segment_reads`) in the caller's thread, and hands each range to the
 restore pool, which verifies each record in it (CRC32C, key, layout), decodes it into its slice of
-the destination and accounts for the hit, while the next range is read. A record that cannot be
+the destination and accounts for the hit, while the next range is read. Exact records (the identity
+codec, unsealed) going into a CPU buffer are read straight into their slices of the destination
+with one scattered ``preadv`` per range (headers, trailers and holes into scratch), then checked
+in place: no buffer, no copy, as fast as a plain read of the file. A record that cannot be
 served from its range (a segment compacted away meanwhile, a damaged record, a short file) is
 answered ``RETRY``: the restore reads it again the per-block way, which asks the index again,
 quarantines damage and falls back to L4.
@@ -19,19 +22,34 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import crc32c
 import torch
 
 from kvstrata.codecs import CodecId
+from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
+from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
+from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, Chunk, Extent, plan_chunks, read_chunks
-from kvstrata.transfer import DeviceCopier
+from kvstrata.transfer import DeviceCopier, host_array
+
+
+@dataclass(slots=True)
+class _InPlace:
+    """Where a record read straight into place landed: its header and trailer (scratch) and its
+    payload runs (slices of the destination)."""
+
+    header: memoryview
+    runs: list[memoryview]
+    trailer: memoryview
+
 
 if TYPE_CHECKING:
     from kvstrata.store.restore import Restorer
@@ -40,6 +58,10 @@ log = logging.getLogger(__name__)
 
 STREAM_BUFFERS = 3
 """Ranges in memory at once per restore: one being read, two being decoded."""
+_RELEASE_GIL = 1
+"""crc32c's ``gil_release_mode``: always (by default only from 32 KiB). A thread that holds the GIL
+through a long stretch of work makes the reader wait up to the interpreter's switch interval
+(5 ms) each time its ``preadv`` returns; releasing it for every checksum keeps those waits short."""
 RETRY = object()
 """A streamed record that could not be served from its range: read again the per-block way."""
 
@@ -74,6 +96,7 @@ class SegmentStream:
     def read(
         self,
         extents: list[Extent],
+        buffer: torch.Tensor,
         room: Any,
         copier: DeviceCopier,
         priority: Priority | None,
@@ -84,50 +107,183 @@ class SegmentStream:
         disk = self.restorer.tiered.disk
         segments = {e.placement.file_id for e in extents}
         chunks = plan_chunks(extents, {segment: disk.segment_path(segment) for segment in segments})
+        scattered: dict[int, _InPlace] = {}
+        ready = [threading.Event() for _ in chunks]
+
+        def prepare() -> None:
+            """Scatter lists for every chunk but the first, ahead of the reader (in the verifier's
+            thread, so the reader's time goes to reading; it waits only if it catches up)."""
+            try:
+                for chunk, event in zip(chunks[1:], ready[1:], strict=True):
+                    scattered.update(self._scatter(chunk, rows, per_token, flat))
+                    event.set()
+            finally:
+                for event in ready:
+                    event.set()
+
+        scatter = self._may_scatter(buffer, copier)
+        if scatter:
+            flat = memoryview(host_array(buffer).reshape(-1)).cast("B")
+            two, layers, heads, capacity, dim = buffer.shape
+            per_token = dim * buffer.element_size()  # bytes of one token in one row (K/V, layer, head)
+            rows = [row * capacity * per_token for row in range(two * layers * heads)]
+            scattered.update(self._scatter(chunks[0], rows, per_token, flat))
+        ready[0].set()
         buffers = self._take_buffers()
         results: dict[int, object] = {}
-        futures: list[Future[None]] = []
 
         def decode(chunk: Chunk) -> None:
+            started = time.perf_counter()
+            hits: list[tuple[int, KVBlock, TierLevel]] = []
             try:
                 with torch.inference_mode(inference):
                     for extent in chunk.extents:
-                        results[extent.position] = self._from_chunk(chunk, extent, room, copier, priority)
+                        in_place = scattered.get(extent.position)
+                        block = (
+                            self._from_chunk(chunk, extent, room, copier)
+                            if in_place is None
+                            else self._in_place(chunk, extent, in_place, room)
+                        )
+                        if block is None:
+                            results[extent.position] = RETRY
+                        else:
+                            hits.append((extent.position, block, disk.level))
             finally:
-                assert chunk.buffer is not None
-                buffers.put(chunk.buffer)
+                if chunk.buffer is not None:
+                    buffers.put(chunk.buffer)
+            if hits:
+                results.update(self.restorer.account_hits(hits, buffer, priority, started))
 
+        def verifier() -> None:
+            if scatter:
+                prepare()
+            while (chunk := todo.get()) is not None:
+                try:
+                    decode(chunk)
+                except BaseException as exc:  # reported by the reader; the queue is drained still
+                    failures.append(exc)
+
+        todo: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        failures: list[BaseException] = []
+        # ONE thread verifies, in order, while this one reads: two threads in all, so the reader
+        # gets the GIL back at once when its preadv returns (more verifiers only contend for it)
+        worker = self.restorer.executor().submit(verifier)
         try:
-            for chunk, error in read_chunks(chunks, buffers):
+            for chunk, error in read_chunks(chunks, buffers, before=lambda i: ready[i].wait()):
                 if error is not None:  # gone (compacted, removed) or unreadable: the per-block path decides
                     results.update((e.position, RETRY) for e in chunk.extents)
                     continue
-                futures.append(self.restorer.executor().submit(decode, chunk))
-            for future in futures:
-                future.result()
+                todo.put(chunk)
         finally:
+            todo.put(None)
+            worker.result()
             self._give_back_buffers(buffers)
+        if failures:
+            raise failures[0]
         return results
 
-    def _from_chunk(
-        self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier, priority: Priority | None
-    ) -> object:
-        started = time.perf_counter()
+    def _from_chunk(self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier) -> KVBlock | None:
+        """A record read into the chunk's buffer, verified and decoded into place; None when it
+        cannot be served from there."""
         data = chunk.record(extent)
         if data is None:
-            return RETRY  # the file ends early: the per-block read reports it
+            return None  # the file ends early: the per-block read reports it
         disk = self.restorer.tiered.disk
         try:
             header, encoded = disk.verify(extent.key, data, chunk.path)
         except VERIFY_ERRORS as exc:
             self.restorer.tiered.counters.unreadable(exc, "L3", log)
-            return RETRY  # quarantined: the per-block path tries L4, or counts the miss
+            return None  # quarantined: the per-block path tries L4, or counts the miss
         if encoded.codec != extent.placement.codec:
-            return RETRY
+            return None
         block = KVBlock(extent.key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
         target = room(extent.position)
         self.restorer.decode(block, target, copier)
-        return self.restorer.served(extent.key, block, disk.level, target, priority, started)
+        tensor = target[:, :, :, : header.num_tokens]  # the buffer is reused: promotion copies this
+        return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
+
+    # -- straight into place -----------------------------------------------------------------------
+    def _may_scatter(self, buffer: torch.Tensor, copier: DeviceCopier) -> bool:
+        disk = self.restorer.tiered.disk
+        return (
+            buffer.device.type == "cpu"
+            and buffer.is_contiguous()
+            and buffer.dtype == self.restorer.layout.torch_dtype
+            and not copier.staged
+            and getattr(disk, "keyring", None) is None
+        )
+
+    def _scatter(
+        self, chunk: Chunk, rows: list[int], per_token: int, flat: memoryview
+    ) -> dict[int, _InPlace]:
+        """Give ``chunk`` a scatter list when every record in it is exact (identity codec, no
+        params): each record's payload runs (one per K/V, layer and head: ``rows`` are their
+        offsets in the destination ``flat``) go to their slices of the destination; its header,
+        its trailer and the holes between records go to scratch. Where each record landed, by
+        position (nothing when the chunk is read the buffered way)."""
+        bt = self.restorer.layout.block_tokens
+        framing = HEADER_BYTES + TRAILER_BYTES
+        payload = 0
+        for extent in chunk.extents:
+            placement = extent.placement
+            if (
+                placement.codec != CodecId.IDENTITY
+                or placement.nbytes != framing + placement.num_tokens * len(rows) * per_token
+            ):
+                return {}
+            payload += placement.nbytes - framing
+        scratch = memoryview(bytearray(chunk.end - chunk.start - payload))
+        used = 0
+        iov: list[memoryview] = []
+        where: dict[int, _InPlace] = {}
+        at = chunk.start
+        for extent in chunk.extents:
+            gap = extent.offset - at
+            if gap:
+                iov.append(scratch[used : used + gap])
+                used += gap
+            header = scratch[used : used + HEADER_BYTES]
+            trailer = scratch[used + HEADER_BYTES : used + framing]
+            used += framing
+            run = extent.placement.num_tokens * per_token
+            first = extent.position * bt * per_token
+            runs = [flat[first + row : first + row + run] for row in rows]
+            iov.append(header)
+            iov += runs
+            iov.append(trailer)
+            where[extent.position] = _InPlace(header, runs, trailer)
+            at = extent.offset + extent.placement.nbytes
+        chunk.scatter = iov
+        return where
+
+    def _in_place(self, chunk: Chunk, extent: Extent, where: _InPlace, room: Any) -> KVBlock | None:
+        """Check a record read straight into place (header fields, CRC32C over the slices it
+        landed in); None when it is not the record the index promised (the per-block read then
+        quarantines it, or finds where it went)."""
+        if chunk.got < extent.offset + extent.placement.nbytes - chunk.start:
+            return None  # the file ends early
+        restorer = self.restorer
+        try:
+            header = parse_header(where.header, chunk.path)
+        except CorruptBlockError:
+            return None
+        crc = crc32c.crc32c(where.header)
+        for run in where.runs:  # the GIL released for every run, small ones too: the reader waits less
+            crc = crc32c.crc32c(run, crc, _RELEASE_GIL)
+        if (
+            header.key != extent.key
+            or header.layout_fingerprint != restorer.layout.fingerprint
+            or header.codec != CodecId.IDENTITY
+            or header.encrypted
+            or header.params_len != 0
+            or header.num_tokens != extent.placement.num_tokens
+            or header.total_bytes != extent.placement.nbytes
+            or crc != int.from_bytes(where.trailer, "little")
+        ):
+            return None
+        restorer.tiered.disk.index.blocks.note_access(extent.key, time.time())
+        tensor = room(extent.position)[:, :, :, : header.num_tokens]
+        return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
 
     def _take_buffers(self) -> queue.Queue[bytearray]:
         buffers: queue.Queue[bytearray] = queue.Queue()

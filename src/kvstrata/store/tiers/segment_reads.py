@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +53,11 @@ class Chunk:
     extents: list[Extent]
     data: memoryview = field(default_factory=lambda: memoryview(b""))
     buffer: bytearray | None = None
+    scatter: list[memoryview] | None = None
+    """Where each byte of the range goes, when the caller reads it straight into place (its
+    destination's slices, scratch for headers, trailers and holes) instead of into a buffer."""
+    got: int = 0
+    """Bytes read (of ``end - start``)."""
 
     def record(self, extent: Extent) -> memoryview | None:
         """The extent's bytes, or None when the read stopped short of them (a truncated file)."""
@@ -89,17 +94,49 @@ def plan_chunks(
     return chunks
 
 
+_IOV_MAX = 1024
+"""``os.preadv`` takes at most this many buffers in one call (Linux's IOV_MAX)."""
+
+
+def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    """Fill ``buffers`` in order from ``offset`` (any number of them, short reads continued);
+    the bytes read, fewer only at the end of the file."""
+    got = 0
+    first = 0  # the first buffer not yet full
+    skip = 0  # bytes of it already filled
+    while first < len(buffers):
+        batch = list(buffers[first : first + _IOV_MAX])
+        if skip:
+            batch[0] = batch[0][skip:]
+        n = os.preadv(fd, batch, offset + got)
+        if n == 0:
+            break
+        got += n
+        n += skip
+        while first < len(buffers) and n >= len(buffers[first]):
+            n -= len(buffers[first])
+            first += 1
+        skip = n
+    return got
+
+
 def read_chunks(
-    chunks: Sequence[Chunk], buffers: queue.Queue[bytearray]
+    chunks: Sequence[Chunk],
+    buffers: queue.Queue[bytearray],
+    before: Callable[[int], object] | None = None,
 ) -> Iterator[tuple[Chunk, OSError | None]]:
     """Read each chunk into a buffer taken from ``buffers`` (waiting until the consumer puts one
-    back), one segment file open at a time, in order; yields each chunk with the error that
-    stopped its read (the chunk's buffer is then already back in ``buffers``)."""
+    back), or straight into its ``scatter`` list, one segment file open at a time, in order;
+    yields each chunk with the error that stopped its read (a buffer is then already back in
+    ``buffers``). ``before(i)`` is called before chunk ``i`` is read (a chunk's scatter list may
+    still be in the making)."""
     fd: int | None = None
     open_path: Path | None = None
     open_error: OSError | None = None
     try:
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            if before is not None:
+                before(i)
             if chunk.path != open_path:
                 if fd is not None:
                     os.close(fd)
@@ -113,6 +150,14 @@ def read_chunks(
                 yield chunk, open_error
                 continue
             length = chunk.end - chunk.start
+            if chunk.scatter is not None:  # straight into place: no buffer, no copy
+                try:
+                    chunk.got = preadv_all(fd, chunk.scatter, chunk.start)
+                except OSError as exc:
+                    yield chunk, exc
+                    continue
+                yield chunk, None
+                continue
             buffer = buffers.get()
             if len(buffer) < length:
                 buffer = bytearray(length)
@@ -128,7 +173,7 @@ def read_chunks(
                 buffers.put(buffer)
                 yield chunk, exc
                 continue
-            chunk.buffer, chunk.data = buffer, view[:got]
+            chunk.buffer, chunk.data, chunk.got = buffer, view[:got], got
             yield chunk, None
     finally:
         if fd is not None:
