@@ -152,7 +152,8 @@ class SegmentStream:
                 if chunk.buffer is not None:
                     buffers.put(chunk.buffer)
             if hits:
-                results.update(self.restorer.account_hits(hits, buffer, priority, started))
+                with torch.inference_mode(inference):  # a promotion copies into a tier's tensors
+                    results.update(self.restorer.account_hits(hits, buffer, priority, started))
 
         def verifier() -> None:
             if scatter:
