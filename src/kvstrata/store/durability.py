@@ -11,6 +11,7 @@ mirror writes behind L3.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvstrata.config import StoreConfig
 from kvstrata.errors import TierUnavailableError
@@ -48,6 +49,7 @@ class DiskWriter:
         self._replace: set[BlockKey] = set()
         self._writer = BackgroundWriter(
             write_many=self._write_many,
+            open_stream=self._open_stream if hasattr(disk, "open_batch") else None,
             max_batch_blocks=_BATCH_BLOCKS,
             linger_s=_LINGER_S,
             max_queue_bytes=config.writer_queue_bytes,
@@ -92,15 +94,26 @@ class DiskWriter:
 
     def _write_many(self, blocks: list[KVBlock]) -> list[Exception | None]:
         """One batch: sealed, written with the tier's group commit when it has one."""
-        errors: list[Exception | None] = [None] * len(blocks)
-        ready: list[tuple[int, KVBlock]] = []
+        stream = _Stream(self, None)
+        stream.add(blocks)
+        return stream.commit()
+
+    def _open_stream(self) -> _Stream:
+        return _Stream(self, self.disk.open_batch())  # type: ignore[attr-defined]
+
+    def _prepared(
+        self, blocks: list[KVBlock], errors: list[Exception | None]
+    ) -> tuple[list[KVBlock], set[BlockKey]]:
+        """``blocks`` sealed (a block that cannot be gets its error), and the keys whose stored
+        copy they replace."""
+        ready: list[KVBlock] = []
         for i, block in enumerate(blocks):
             try:
-                ready.append((i, self._seal(block)))
+                ready.append(self._seal(block))
             except TierUnavailableError as exc:  # no namespace to encrypt it under
                 errors[i] = exc
         replace: set[BlockKey] = set()
-        for _, block in ready:
+        for block in ready:
             current = self.disk.codec_of(block.key)
             # a different codec is an upgrade (exact KV recomputed) or a re-encode down the ladder
             if (current is not None and block.encoded is not None and current != block.encoded.codec) or (
@@ -108,18 +121,13 @@ class DiskWriter:
             ):
                 replace.add(block.key)
             self._replace.discard(block.key)
-        put_many = getattr(self.disk, "put_many", None)
-        if put_many is not None:
-            results = put_many([b for _, b in ready], replace=replace)
-        else:
-            results = [self._put_one(b, b.key in replace) for _, b in ready]
-        for (i, block), error in zip(ready, results, strict=True):
-            errors[i] = error
-            if error is None:
-                self.failed.discard(block.key)
-                if self._after_write is not None:
-                    self._after_write(block)
-        return errors
+        return ready, replace
+
+    def _written(self, block: KVBlock, error: Exception | None) -> None:
+        if error is None:
+            self.failed.discard(block.key)
+            if self._after_write is not None:
+                self._after_write(block)
 
     def _put_one(self, block: KVBlock, replace: bool) -> Exception | None:
         try:
@@ -157,3 +165,45 @@ class DiskWriter:
 
     def close(self) -> None:
         self._writer.close(flush=True)
+
+
+class _Stream:
+    """A group commit of the writer: blocks sealed and added as they come (into the disk tier's
+    open batch, or kept for one ``put_many`` / ``put`` per block on a tier without batches)."""
+
+    def __init__(self, writer: DiskWriter, batch: Any) -> None:
+        self.writer = writer
+        self.batch = batch
+        self.errors: list[Exception | None] = []
+        self.sent: list[tuple[int, KVBlock]] = []
+        """(index in errors, sealed block) of every block handed to the tier, in order."""
+        self._later: list[tuple[list[KVBlock], set[BlockKey]]] = []
+
+    def add(self, blocks: list[KVBlock]) -> None:
+        base = len(self.errors)
+        errors: list[Exception | None] = [None] * len(blocks)
+        ready, replace = self.writer._prepared(blocks, errors)
+        self.errors += errors
+        sealed_index = [base + i for i, e in enumerate(errors) if e is None]
+        self.sent += list(zip(sealed_index, ready, strict=True))
+        if self.batch is not None:
+            self.batch.add(ready, replace)
+        else:
+            self._later.append((ready, replace))
+
+    def commit(self) -> list[Exception | None]:
+        writer = self.writer
+        if self.batch is not None:
+            results = self.batch.commit()
+        else:
+            results = []
+            put_many = getattr(writer.disk, "put_many", None)
+            for ready, replace in self._later:
+                if put_many is not None:
+                    results += put_many(ready, replace=replace)
+                else:
+                    results += [writer._put_one(b, b.key in replace) for b in ready]
+        for (i, block), error in zip(self.sent, results, strict=True):
+            self.errors[i] = error
+            writer._written(block, error)
+        return self.errors

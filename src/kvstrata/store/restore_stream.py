@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 STREAM_BUFFERS = 3
 """Ranges in memory at once per restore: one being read, two being decoded."""
+_DECODERS = 2
+"""Threads decoding the ranges of records that are not read in place (a decode costs more than a
+read: int8 and KIVI dequantize every value)."""
 _RELEASE_GIL = 1
 """crc32c's ``gil_release_mode``: always (by default only from 32 KiB). A thread that holds the GIL
 through a long stretch of work makes the reader wait up to the interpreter's switch interval
@@ -155,8 +158,8 @@ class SegmentStream:
                 with torch.inference_mode(inference):  # a promotion copies into a tier's tensors
                     results.update(self.restorer.account_hits(hits, buffer, priority, started))
 
-        def verifier() -> None:
-            if scatter:
+        def verifier(first: bool) -> None:
+            if scatter and first:
                 prepare()
             while (chunk := todo.get()) is not None:
                 try:
@@ -166,9 +169,17 @@ class SegmentStream:
 
         todo: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         failures: list[BaseException] = []
-        # ONE thread verifies, in order, while this one reads: two threads in all, so the reader
-        # gets the GIL back at once when its preadv returns (more verifiers only contend for it)
-        worker = self.restorer.executor().submit(verifier)
+        # Records read in place only need a checksum: ONE thread verifies them while this one
+        # reads, so the reader gets the GIL back at once when its preadv returns (more verifiers
+        # only contend for it). Records to decode (int8, KIVI...) cost more than their read: two.
+        token_bytes = self.restorer.layout.bytes_per_token
+        exact = all(
+            e.placement.codec == CodecId.IDENTITY
+            and e.placement.nbytes == HEADER_BYTES + TRAILER_BYTES + e.placement.num_tokens * token_bytes
+            for e in extents
+        )
+        count = 1 if scatter and exact else _DECODERS
+        workers = [self.restorer.executor().submit(verifier, i == 0) for i in range(count)]
         try:
             for chunk, error in read_chunks(chunks, buffers, before=lambda i: ready[i].wait()):
                 if error is not None:  # gone (compacted, removed) or unreadable: the per-block path decides
@@ -176,8 +187,10 @@ class SegmentStream:
                     continue
                 todo.put(chunk)
         finally:
-            todo.put(None)
-            worker.result()
+            for _ in workers:
+                todo.put(None)
+            for worker in workers:
+                worker.result()
             self._give_back_buffers(buffers)
         if failures:
             raise failures[0]

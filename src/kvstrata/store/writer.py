@@ -2,10 +2,12 @@
 
 It takes whatever is queued in batches (``max_batch_blocks``), so a tier that can write many
 blocks at once (L3's group commit: one segment file durable, then one index transaction) is handed
-them together. While blocks keep arriving (a session appended a long history) it lingers up to
-``linger_s`` after each arrival, so one checkpoint becomes one batch rather than many small ones
-(large segments read back at the disk's sequential speed; many small files do not); a ``flush``
-ends the wait at once (whoever flushes has submitted everything it wants written).
+them together. With ``open_stream`` a batch grows while blocks keep arriving (a session appending
+a long history): each arrival is added to the open group commit at once, so writing overlaps with
+the producer, and the group is committed once no block arrived for ``linger_s``, a ``flush``
+asks for it (whoever flushes has submitted everything it wants written) or it reached its bounds.
+One checkpoint is then one segment (large segments read back at the disk's sequential speed;
+many small files do not). The blocks of an open group stay in flight, served from the queue.
 
 ``submit`` blocks when more than ``max_queue_bytes`` are in flight (backpressure, so a fast
 producer cannot grow memory without bound); an optional bandwidth cap paces the writes. A
@@ -21,6 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
@@ -29,12 +32,23 @@ from kvstrata.store.block import KVBlock
 log = logging.getLogger(__name__)
 
 
+class WriteStream(Protocol):
+    """An open group commit: blocks added as they come, committed once."""
+
+    def add(self, blocks: list[KVBlock]) -> None: ...
+
+    def commit(self) -> list[Exception | None]:
+        """One result per block added, in order."""
+        ...
+
+
 class BackgroundWriter:
     def __init__(
         self,
         write: Callable[[KVBlock], bool] | None = None,
         *,
         write_many: Callable[[list[KVBlock]], list[Exception | None]] | None = None,
+        open_stream: Callable[[], WriteStream] | None = None,
         max_batch_blocks: int = 1,
         max_batch_bytes: int = 256 << 20,
         max_queue_bytes: int = 256 << 20,
@@ -47,6 +61,7 @@ class BackgroundWriter:
         if (write is None) == (write_many is None):
             raise ValueError("give write or write_many")
         self._write_many = write_many if write_many is not None else self._one_by_one(write)  # type: ignore[arg-type]
+        self._open_stream = open_stream
         self.max_batch_blocks = max_batch_blocks
         self.max_batch_bytes = max_batch_bytes
         self.max_queue_bytes = max_queue_bytes
@@ -147,7 +162,6 @@ class BackgroundWriter:
                 self._cond.wait()
             if not self._queue:
                 return None
-            self._linger()
             batch: list[KVBlock] = []
             size = 0
             while (
@@ -161,20 +175,33 @@ class BackgroundWriter:
                 size += self._size(block)
             return batch
 
-    def _linger(self) -> None:
-        """Wait (lock held) while blocks keep arriving, up to ``linger_s`` after the last one,
-        until a batch is full, a flush is waiting or the writer closes."""
-        while (
-            self.linger_s > 0
-            and not self._flushing
-            and not self._closed
-            and len(self._queue) < self.max_batch_blocks
-            and self._queued_bytes < min(self.max_batch_bytes, self.max_queue_bytes)
-        ):
-            before = len(self._queue)
-            self._cond.wait(self.linger_s)
-            if len(self._queue) == before:
-                return
+    def _take_more(self, blocks: int, size: int) -> list[KVBlock]:
+        """Blocks that arrived for an open group (``blocks`` of ``size`` bytes so far), waiting
+        up to ``linger_s`` for one; [] when the group should be committed now."""
+        with self._cond:
+            if not self._queue and not self._flushing and not self._closed and self.linger_s > 0:
+                self._cond.wait(self.linger_s)
+            more: list[KVBlock] = []
+            while self._queue and blocks < self.max_batch_blocks and size < self.max_batch_bytes:
+                key, block = self._queue.popitem(last=False)
+                self._inflight[key] = block
+                more.append(block)
+                blocks += 1
+                size += self._size(block)
+            return more
+
+    def _write(self, batch: list[KVBlock]) -> list[Exception | None]:
+        """Write ``batch`` (growing it, with a stream, by what arrives meanwhile)."""
+        if self._open_stream is None:
+            return self._write_many(batch)
+        stream = self._open_stream()
+        stream.add(batch)
+        size = sum(self._size(block) for block in batch)
+        while more := self._take_more(len(batch), size):
+            stream.add(more)
+            batch += more
+            size += sum(self._size(block) for block in more)
+        return stream.commit()
 
     def _run(self) -> None:
         while True:
@@ -183,7 +210,7 @@ class BackgroundWriter:
                 return
             started = time.monotonic()
             try:
-                errors = self._write_many(batch)
+                errors = self._write(batch)  # may grow the batch
             except (TierUnavailableError, OSError) as exc:
                 errors = [exc] * len(batch)
             sizes = [self._size(block) for block in batch]

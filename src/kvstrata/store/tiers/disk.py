@@ -20,7 +20,7 @@ between ``hot/`` and ``cold/`` is noticed when its file is not where the cache s
 asked again, and a block that is gone is a miss (the caller recomputes), never corruption.
 
 A batch of two or more blocks (a checkpoint's group commit) is written as ONE segment file
-(``segments/xx/<segment id>.kvseg``): the same records back to back, one fsync and one rename for
+(``segments/<segment id>.kvseg``): the same records back to back, one fsync and one rename for
 all of them, each row naming the segment and the record's offset. Segments never change once in
 place: a block deleted from one leaves a hole (counted in ``segment_space``; ``kvstrata gc
 --compact`` copies the live records of a mostly empty segment into a new one), and the file goes
@@ -30,7 +30,6 @@ when its last row does. A restore reads a segment's records as large sequential 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -38,14 +37,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstrata.codecs.base import EncodedBlock
 from kvstrata.crypto import Keyring
-from kvstrata.errors import CorruptBlockError, TierUnavailableError
+from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.store.block import KVBlock
@@ -53,10 +50,10 @@ from kvstrata.store.index import BlockRow, Index
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, RecordHeader, decode_record, record_parts
 from kvstrata.store.tiers.base import TierLevel, TierUsage
+from kvstrata.store.tiers.disk_batch import DiskBatch, NoRoom, Pending
 from kvstrata.store.tiers.disk_files import (
     SEGMENTS_DIR,
     PendingFile,
-    PendingSegment,
     block_path,
     drop_page_cache,
     fsync_dir,
@@ -67,7 +64,6 @@ from kvstrata.store.tiers.disk_files import (
     remove_dead_temp_files,
     segment_path,
     write_files,
-    write_segment,
 )
 
 if TYPE_CHECKING:
@@ -76,9 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["DiskTier", "block_path", "parse_file_name"]
 
 log = logging.getLogger(__name__)
-
-_IO_THREADS = 8
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
 
 
 class DiskTier:
@@ -110,14 +103,13 @@ class DiskTier:
         self.writer_token = writer_token
         self.writer_nonce = writer_nonce
         if not read_only:
-            for d in (root / "hot", root / "cold", self.tmp_dir, self.quarantine_dir):
+            for d in (root / "hot", root / "cold", root / SEGMENTS_DIR, self.tmp_dir, self.quarantine_dir):
                 d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self.lost: set[BlockKey] = set()
         self.corrupt_count = 0
         # key -> (cold, nbytes, codec, num_tokens) of the rows this process saw (the index decides)
         self._cache: dict[BlockKey, Placement] = {}
-        self._pool: ThreadPoolExecutor | None = None
         self.evictor: Evictor | None = None
         """Set by the placement: makes room (evicting) when a write would pass the budget or a
         namespace's quota. Without one, such a write is refused."""
@@ -255,7 +247,7 @@ class DiskTier:
         """Write ``block`` crash-safely; with ``replace`` an existing copy (another codec) is
         swapped for it (a new file, then the index row, then the old file goes)."""
         error = self.put_many([block], replace={block.key} if replace else set())[0]
-        if isinstance(error, _NoRoom):
+        if isinstance(error, NoRoom):
             return False
         if error is not None:
             raise error
@@ -264,86 +256,26 @@ class DiskTier:
     def put_many(
         self, blocks: Sequence[KVBlock], *, replace: set[BlockKey] | None = None
     ) -> list[Exception | None]:
-        """Write a batch crash-safely with as few waits as it allows (see ``disk_files``): all
-        files durable first, then ONE index transaction for all their rows. Blocks already stored
-        are skipped unless their key is in ``replace``. One result per block: None when stored,
-        else the error (``TierUnavailableError`` on a full or failing disk, or no room in the L3
-        budget that ``make_room`` could not free)."""
-        replace = replace or set()
-        results: list[Exception | None] = [None] * len(blocks)
-        writes = [
-            self._prepare(i, block, previous)
-            for i, block in enumerate(blocks)
-            if (previous := self._placement(block.key)) is None or block.key in replace
-        ]
-        if not writes:
-            return results
-        refused = self._refused(writes)
-        if refused:
-            for w in writes:
-                if (w.block.namespace or "") in refused:
-                    results[w.index] = _NoRoom(
-                        f"no room in L3 for namespace {w.block.namespace or '(unknown)'}: its quota or "
-                        f"the budget of {self.budget_bytes} bytes is full of blocks that may not be evicted"
-                    )
-            writes = [w for w in writes if (w.block.namespace or "") not in refused]
-        segment = self._write(writes)
-        now = time.time()
-        rows = []
-        for w in writes:
-            exc = w.file.error
-            if exc is not None:
-                failed = exc.errno in _DISK_FULL
-                message = f"L3 write failed: {os.strerror(exc.errno or 0)} ({w.file.final})"
-                results[w.index] = TierUnavailableError(message) if failed else exc
-                continue
-            block = w.block
-            rows.append(
-                BlockRow(
-                    block.key,
-                    w.cold,
-                    block.num_tokens,
-                    block.start_pos,
-                    w.codec,
-                    w.nbytes,
-                    now,
-                    now,
-                    0,
-                    block.namespace,
-                    w.file_id,
-                    w.offset,
-                )
-            )
-        # Only now, with the files durable under their final names, does the index learn of them.
-        replaced = self.index.blocks.put_many(rows) if rows else []
-        for row, old in zip(rows, replaced, strict=True):
-            self._cache[row.key] = Placement(
-                row.cold, row.nbytes, row.codec, row.num_tokens, row.file_id, row.offset
-            )
-            self.lost.discard(row.key)
-            if old is not None:  # its file is ours to remove now (ours, or another process's copy)
-                self.release(row.key, old)
-        if segment is not None and not rows:
-            segment.final.unlink(missing_ok=True)
-        return results
+        """Write a batch crash-safely as one group commit (:class:`DiskBatch`): the records in one
+        segment, durable first, then ONE index transaction for all their rows. Blocks already
+        stored are skipped unless their key is in ``replace``. One result per block: None when
+        stored, else the error (``TierUnavailableError`` on a full or failing disk, or no room in
+        the L3 budget that the evictor could not free)."""
+        batch = self.open_batch()
+        batch.add(blocks, replace)
+        return batch.commit()
 
-    def _write(self, writes: list[_Write]) -> PendingSegment | None:
-        """Make ``writes`` durable: two or more as one segment (one fsync for all), a single one
-        as a block file of its own. Errors are left on each write's ``file``."""
-        if len(writes) < 2:
-            write_files([w.file for w in writes], self._io_pool())
-            return None
-        segment_id = self.writer_nonce + uuid.uuid4().hex[:12]
-        final = self.segment_path(segment_id)
-        tmp = self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
-        segment = PendingSegment(tmp, final, [w.file.parts for w in writes], [])
-        write_segment(segment)
-        for w, offset in zip(writes, segment.offsets, strict=True):
-            w.file_id, w.offset = segment_id, offset
-            w.file.final, w.file.error = final, segment.error
-        return segment
+    def open_batch(self) -> DiskBatch:
+        """A group commit to add blocks to as they come (the background writer's checkpoints)."""
+        return DiskBatch(self)
 
-    def _prepare(self, index: int, block: KVBlock, previous: Placement | None) -> _Write:
+    def remember(self, key: BlockKey, placement: Placement) -> None:
+        """Cache where ``key`` now is (a row this process just committed)."""
+        self._cache[key] = placement
+        self.lost.discard(key)
+
+    def prepare(self, index: int, block: KVBlock, previous: Placement | None) -> Pending:
+        """``block``'s record, ready to append (``previous``: where the key is stored now)."""
         encoded = block.encode()
         parts = record_parts(
             block.key,
@@ -354,34 +286,24 @@ class DiskTier:
             namespace=block.namespace,
         )
         cold = previous is not None and previous.cold
-        file_id = self.writer_nonce + uuid.uuid4().hex[:8]
-        final = self.path_for(block.key, cold, file_id)
-        tmp = self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
         nbytes = sum(memoryview(p).nbytes for p in parts)
         growth = nbytes - (previous.nbytes if previous is not None else 0)
-        return _Write(
-            index, block, PendingFile(tmp, final, parts), cold, file_id, nbytes, growth, int(encoded.codec)
-        )
+        return Pending(index, block, parts, cold, nbytes, growth, int(encoded.codec))
 
-    def _refused(self, writes: Sequence[_Write]) -> set[str]:
+    def refused(self, writes: Sequence[Pending], pending: dict[str, int] | None = None) -> set[str]:
         """The namespaces whose blocks in this batch do not fit (budget or quota), after the
-        evictor made what room it could."""
+        evictor made what room it could; ``pending``: bytes per namespace the open batch added
+        already (not indexed yet, so not in the index's totals)."""
+        growth = dict(pending or {})
+        for w in writes:
+            growth[w.block.namespace or ""] = growth.get(w.block.namespace or "", 0) + w.growth
         if self.evictor is not None:
-            growth: dict[str, int] = {}
-            for w in writes:
-                growth[w.block.namespace or ""] = growth.get(w.block.namespace or "", 0) + w.growth
             return self.evictor.fit(growth, {w.block.key for w in writes})
         if self.budget_bytes is None:
             return set()
-        if self.index.blocks.usage()[1] + sum(w.growth for w in writes) <= self.budget_bytes:
+        if self.index.blocks.usage()[1] + sum(growth.values()) <= self.budget_bytes:
             return set()
         return {w.block.namespace or "" for w in writes}
-
-    def _io_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvstrata-l3-io")
-            return self._pool
 
     def remove(self, key: BlockKey) -> bool:
         self._cache.pop(key, None)
@@ -530,10 +452,9 @@ class DiskTier:
         base = self.root / SEGMENTS_DIR
         if not base.is_dir():
             return
-        for shard in os.scandir(base):
-            if shard.is_dir():
-                for entry in os.scandir(shard.path):
-                    yield parse_segment_name(entry.name), Path(entry.path)
+        for entry in os.scandir(base):
+            if entry.is_file():
+                yield parse_segment_name(entry.name), Path(entry.path)
 
     def segment_space(self) -> tuple[int, int, int]:
         """(segment files, their bytes, bytes of the records they still hold): the difference is
@@ -549,23 +470,3 @@ class DiskTier:
 
     def close(self) -> None:
         self.index.blocks.flush_access()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
-
-@dataclass(slots=True)
-class _Write:
-    index: int
-    block: KVBlock
-    file: PendingFile
-    cold: bool
-    file_id: str
-    nbytes: int
-    growth: int
-    codec: int
-    offset: int | None = None
-
-
-class _NoRoom(TierUnavailableError):
-    """The L3 budget is full and nothing more could be evicted."""

@@ -1,0 +1,182 @@
+"""One group commit into L3: records appended to one new segment as they come, made durable and
+indexed once.
+
+A checkpoint hands the disk tier a session's new blocks while it is still cutting the later ones
+out of the KV. :class:`DiskBatch` writes each block's record into the batch's temp file as soon as
+it is added (``writev``, the payload not copied), so the writes overlap with the producer; only
+:meth:`DiskBatch.commit` waits: one fsync of the file, its rename into ``segments/`` (a batch of
+one record becomes a ``.kvbin`` file of its own: a record is a valid block file), one fsync of the
+directory, then ONE index transaction for all the rows. Until then no reader can find the
+records (no row names them; the background writer keeps the blocks in flight, served from
+memory), and a crash leaves a temp file that the next process removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstrata.errors import TierUnavailableError
+from kvstrata.keys import BlockKey
+from kvstrata.store.block import KVBlock
+from kvstrata.store.index import BlockRow
+from kvstrata.store.index.block_rows import Placement
+from kvstrata.store.tiers.disk_files import drop_page_cache, fsync_dir, start_writeback
+
+if TYPE_CHECKING:
+    from kvstrata.store.tiers.disk import DiskTier
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
+
+
+class NoRoom(TierUnavailableError):
+    """The L3 budget (or a namespace's quota) is full and nothing more could be evicted."""
+
+
+@dataclass(slots=True)
+class Pending:
+    """One block's record in the batch."""
+
+    index: int
+    block: KVBlock
+    parts: Sequence[bytes | memoryview]
+    cold: bool
+    nbytes: int
+    growth: int
+    codec: int
+    offset: int = 0
+    error: OSError | None = None
+
+
+class DiskBatch:
+    def __init__(self, disk: DiskTier) -> None:
+        self.disk = disk
+        self.id = disk.writer_nonce + uuid.uuid4().hex[:12]
+        self.final = disk.segment_path(self.id)
+        self.tmp = disk.tmp_dir / f"{disk.writer_token or 'anon-0'}.{self.final.name}.tmp"
+        self.results: list[Exception | None] = []
+        self._pending: list[Pending] = []
+        self._fd: int | None = None
+        self._size = 0
+        self._error: OSError | None = None
+        self._growth: dict[str, int] = {}
+        """Bytes per namespace added so far (the index counts them only at the commit)."""
+
+    def add(self, blocks: Sequence[KVBlock], replace: set[BlockKey] | None = None) -> None:
+        """Append the records of ``blocks`` (those not stored yet, or whose key is in ``replace``)
+        to the batch's file; results come with :meth:`commit`, in the order blocks were added."""
+        disk = self.disk
+        base = len(self.results)
+        self.results += [None] * len(blocks)
+        replace = replace or set()
+        writes = [
+            disk.prepare(base + i, block, previous)
+            for i, block in enumerate(blocks)
+            if (previous := disk.placement(block.key)) is None or block.key in replace
+        ]
+        refused = disk.refused(writes, self._growth)
+        for w in writes:
+            namespace = w.block.namespace or ""
+            if namespace in refused:
+                self.results[w.index] = NoRoom(
+                    f"no room in L3 for namespace {w.block.namespace or '(unknown)'}: its quota or "
+                    f"the budget of {disk.budget_bytes} bytes is full of blocks that may not be evicted"
+                )
+                continue
+            self._growth[namespace] = self._growth.get(namespace, 0) + w.growth
+            self._append(w)
+
+    def _append(self, w: Pending) -> None:
+        self._pending.append(w)
+        if self._error is not None:
+            w.error = self._error
+            return
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            buffers = [memoryview(p).cast("B") for p in w.parts]
+            while buffers:
+                written = os.writev(self._fd, buffers)
+                while buffers and written >= len(buffers[0]):
+                    written -= len(buffers[0])
+                    buffers.pop(0)
+                if buffers and written:
+                    buffers[0] = buffers[0][written:]
+        except OSError as exc:  # the rest of the batch fails with it; what was written before stays
+            self._error = w.error = exc
+            return
+        w.offset = self._size
+        self._size += w.nbytes
+        start_writeback(self._fd, w.offset, w.nbytes)
+
+    def commit(self) -> list[Exception | None]:
+        """Make the records durable and index them: one result per block added (None: stored)."""
+        written = [w for w in self._pending if w.error is None]
+        if self._fd is not None:
+            try:
+                if written:
+                    os.fsync(self._fd)
+                    drop_page_cache(self._fd)  # written once, read rarely soon
+            except OSError as exc:
+                for w in written:
+                    w.error = exc
+                written = []
+            finally:
+                os.close(self._fd)
+                self._fd = None
+        own_file = len(written) == 1  # one record: a .kvbin file of its own
+        if written:
+            final = self.final
+            if own_file:
+                final = self.disk.path_for(written[0].block.key, written[0].cold, self.id)
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(self.tmp, final)
+                fsync_dir(final.parent)
+            except OSError as exc:
+                for w in written:
+                    w.error = exc
+                final.unlink(missing_ok=True)
+                written = []
+        self.tmp.unlink(missing_ok=True)
+        for w in self._pending:
+            if w.error is not None:
+                failed = w.error.errno in _DISK_FULL
+                message = f"L3 write failed: {os.strerror(w.error.errno or 0)} ({self.final})"
+                self.results[w.index] = TierUnavailableError(message) if failed else w.error
+        if written:
+            self._index(written, own_file)
+        return self.results
+
+    def _index(self, written: list[Pending], own_file: bool) -> None:
+        """Only now, with the records durable under their final name, does the index learn of them."""
+        disk = self.disk
+        now = time.time()
+        rows = [
+            BlockRow(
+                w.block.key,
+                w.cold if own_file else False,
+                w.block.num_tokens,
+                w.block.start_pos,
+                w.codec,
+                w.nbytes,
+                now,
+                now,
+                0,
+                w.block.namespace,
+                self.id,
+                None if own_file else w.offset,
+            )
+            for w in written
+        ]
+        replaced = disk.index.blocks.put_many(rows)
+        for row, old in zip(rows, replaced, strict=True):
+            placement = Placement(row.cold, row.nbytes, row.codec, row.num_tokens, row.file_id, row.offset)
+            disk.remember(row.key, placement)
+            if old is not None:  # its file is ours to remove now (ours, or another process's copy)
+                disk.release(row.key, old)
