@@ -6,6 +6,7 @@ of index format 2 (one file per block) is read as it is and migrated."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import sqlite3
@@ -255,3 +256,23 @@ def test_kill9_during_compaction_loses_nothing_and_gc_leaves_no_orphan(tmp_path:
             collect_garbage(store, NO_GRACE)
             on_disk, indexed = files_and_index(store)
             assert on_disk == indexed, f"trial {trial}"
+
+
+def test_preadv_all_fills_any_number_of_buffers_across_short_reads(tmp_path: Path) -> None:
+    from kvstrata.store.tiers.segment_reads import preadv_all
+
+    rng = random.Random(5)
+    data = rng.randbytes(50_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for trial in range(100):
+            sizes = [rng.randint(0, 300) for _ in range(rng.randint(1, 2_500))]  # past IOV_MAX too
+            buffers = [memoryview(bytearray(n)) for n in sizes]
+            offset = rng.randint(0, 49_000)
+            got = preadv_all(fd, buffers, offset, sum(sizes) if trial % 2 else None)
+            expected = data[offset : offset + sum(sizes)]  # shorter at the end of the file
+            assert got == len(expected) and b"".join(bytes(b) for b in buffers)[:got] == expected
+    finally:
+        os.close(fd)

@@ -24,7 +24,7 @@ from kvstrata.store.writer import BackgroundWriter
 _BATCH_BLOCKS = 4096
 """Blocks written per group commit (one segment file) at most; the writer's byte bound (256 MiB)
 usually ends a batch first."""
-_LINGER_S = 0.002
+_LINGER_S = 0.02
 """How long the writer waits for the next block of a checkpoint being appended (see
 :mod:`kvstrata.store.writer`)."""
 

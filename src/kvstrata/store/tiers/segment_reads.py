@@ -98,9 +98,13 @@ _IOV_MAX = 1024
 """``os.preadv`` takes at most this many buffers in one call (Linux's IOV_MAX)."""
 
 
-def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-    """Fill ``buffers`` in order from ``offset`` (any number of them, short reads continued);
-    the bytes read, fewer only at the end of the file."""
+def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int, total: int | None = None) -> int:
+    """Fill ``buffers`` (``total`` bytes, when the caller knows) in order from ``offset`` (any
+    number of them, short reads continued); the bytes read, fewer only at the end of the file."""
+    if total is not None and len(buffers) <= _IOV_MAX:
+        n = os.preadv(fd, buffers, offset)
+        if n == total:
+            return n  # the usual case: one call
     got = 0
     first = 0  # the first buffer not yet full
     skip = 0  # bytes of it already filled
@@ -152,7 +156,7 @@ def read_chunks(
             length = chunk.end - chunk.start
             if chunk.scatter is not None:  # straight into place: no buffer, no copy
                 try:
-                    chunk.got = preadv_all(fd, chunk.scatter, chunk.start)
+                    chunk.got = preadv_all(fd, chunk.scatter, chunk.start, length)
                 except OSError as exc:
                     yield chunk, exc
                     continue
