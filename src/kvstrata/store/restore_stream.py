@@ -37,7 +37,14 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
 from kvstrata.store.tiers.base import TierLevel
-from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, Chunk, Extent, plan_chunks, read_chunks
+from kvstrata.store.tiers.segment_reads import (
+    CHUNK_BYTES,
+    IN_PLACE_CHUNK_BYTES,
+    Chunk,
+    Extent,
+    plan_chunks,
+    read_chunks,
+)
 from kvstrata.transfer import DeviceCopier, host_array
 
 
@@ -108,8 +115,17 @@ class SegmentStream:
         """Read ``extents`` range by range in this thread while the pool verifies and decodes the
         ranges already read; per position, what ``Restorer.read_into`` would return, or ``RETRY``."""
         disk = self.restorer.tiered.disk
+        token_bytes = self.restorer.layout.bytes_per_token
+        scatter = self._may_scatter(buffer, copier)
+        exact = scatter and all(
+            e.placement.codec == CodecId.IDENTITY
+            and e.placement.nbytes == HEADER_BYTES + TRAILER_BYTES + e.placement.num_tokens * token_bytes
+            for e in extents
+        )
         segments = {e.placement.file_id for e in extents}
-        chunks = plan_chunks(extents, {segment: disk.segment_path(segment) for segment in segments})
+        paths = {segment: disk.segment_path(segment) for segment in segments}
+        # read in place, a range needs no buffer: larger ranges, fewer gaps between reads
+        chunks = plan_chunks(extents, paths, IN_PLACE_CHUNK_BYTES if exact else CHUNK_BYTES)
         scattered: dict[int, _InPlace] = {}
         ready = [threading.Event() for _ in chunks]
 
@@ -124,7 +140,6 @@ class SegmentStream:
                 for event in ready:
                     event.set()
 
-        scatter = self._may_scatter(buffer, copier)
         if scatter:
             flat = memoryview(host_array(buffer).reshape(-1)).cast("B")
             two, layers, heads, capacity, dim = buffer.shape
@@ -132,7 +147,7 @@ class SegmentStream:
             rows = [row * capacity * per_token for row in range(two * layers * heads)]
             scattered.update(self._scatter(chunks[0], rows, per_token, flat))
         ready[0].set()
-        buffers = self._take_buffers()
+        buffers = self._take_buffers(0 if exact else STREAM_BUFFERS)
         results: dict[int, object] = {}
 
         def decode(chunk: Chunk) -> None:
@@ -172,13 +187,7 @@ class SegmentStream:
         # Records read in place only need a checksum: ONE thread verifies them while this one
         # reads, so the reader gets the GIL back at once when its preadv returns (more verifiers
         # only contend for it). Records to decode (int8, KIVI...) cost more than their read: two.
-        token_bytes = self.restorer.layout.bytes_per_token
-        exact = all(
-            e.placement.codec == CodecId.IDENTITY
-            and e.placement.nbytes == HEADER_BYTES + TRAILER_BYTES + e.placement.num_tokens * token_bytes
-            for e in extents
-        )
-        count = 1 if scatter and exact else _DECODERS
+        count = 1 if exact else _DECODERS
         workers = [self.restorer.executor().submit(verifier, i == 0) for i in range(count)]
         try:
             for chunk, error in read_chunks(chunks, buffers, before=lambda i: ready[i].wait()):
@@ -299,10 +308,10 @@ class SegmentStream:
         tensor = room(extent.position)[:, :, :, : header.num_tokens]
         return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
 
-    def _take_buffers(self) -> queue.Queue[bytearray]:
+    def _take_buffers(self, count: int) -> queue.Queue[bytearray]:
         buffers: queue.Queue[bytearray] = queue.Queue()
         with self._lock:
-            for _ in range(STREAM_BUFFERS):
+            for _ in range(count):
                 buffers.put(self._buffers.pop() if self._buffers else bytearray(CHUNK_BYTES))
         return buffers
 

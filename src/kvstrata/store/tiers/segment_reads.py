@@ -24,6 +24,9 @@ from kvstrata.store.index.block_rows import Placement
 CHUNK_BYTES = 4 << 20
 """Bytes per read (at least one record): large enough for the disk, small enough to overlap with
 decoding and to stay in the CPU's caches between the kernel's copy and the decode."""
+IN_PLACE_CHUNK_BYTES = 16 << 20
+"""Bytes per read when records go straight into place (no buffer to bound; the fewer reads, the
+fewer gaps in which the disk waits for the next request)."""
 MAX_GAP = 1 << 20
 """A hole up to this size between two wanted records is read through rather than skipped."""
 
