@@ -325,3 +325,23 @@ def test_sparse_refuses_values_beyond_fp16() -> None:
     kv[0, 0, 0, 0, 0] = 1e6
     with pytest.raises(CodecError):
         get_codec("sparse").encode(kv)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [16, 5])
+def test_int8_decodes_into_a_strided_slice_the_same_bits_as_decode(dtype: str, tokens: int) -> None:
+    """What a restore does: each block decoded into its slice of one buffer (head_dim contiguous,
+    tokens strided), never a different value than ``decode`` gives."""
+    from kvstrata.codecs import decode_into
+    from kvstrata.codecs.int8 import Int8Codec
+
+    layout = KVLayout(3, 2, 64, dtype, 16)
+    kv = torch.randn(layout.block_shape(tokens), generator=torch.Generator().manual_seed(tokens)).to(
+        layout.torch_dtype
+    )
+    encoded = Int8Codec().encode(kv)
+    buffer = torch.full((2, 3, 2, 64, 64), float("nan"), dtype=layout.torch_dtype)
+    room = buffer[:, :, :, 16 : 16 + tokens]
+    decode_into(encoded, layout, room)
+    assert torch.equal(room, Int8Codec().decode(encoded, layout))
+    assert torch.isnan(buffer[:, :, :, :16]).all() and torch.isnan(buffer[:, :, :, 16 + tokens :]).all()

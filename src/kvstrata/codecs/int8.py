@@ -70,6 +70,27 @@ class Int8Codec:
         )
 
     def decode(self, block: EncodedBlock, layout: KVLayout) -> torch.Tensor:
+        codes, scale, zero, shape = self._parts(block, layout)
+        return dequantize(codes, scale, zero).reshape(shape).to(layout.torch_dtype)
+
+    def decode_into(self, block: EncodedBlock, layout: KVLayout, dest: torch.Tensor) -> None:
+        """Decode straight into ``dest`` (a CPU view of the block's shape, head_dim contiguous):
+        into a float32 destination the codes are converted in place and scaled there (one
+        ``addcmul`` of the same operands as :meth:`decode`, so the same bits), with no
+        intermediate tensor the size of the block; other dtypes decode, then copy."""
+        codes, scale, zero, shape = self._parts(block, layout)
+        if dest.dtype is not torch.float32 or dest.stride(-1) != 1:
+            dest.copy_(dequantize(codes, scale, zero).reshape(shape))
+            return
+        grouped = dest.view(*shape[:4], -1, codes.shape[-1])  # (..., groups per token, group)
+        grouped.copy_(codes.view(grouped.shape))
+        per_group = (*shape[:4], -1, 1)
+        torch.addcmul(zero.float().view(per_group), grouped, scale.float().view(per_group), out=grouped)
+
+    def _parts(
+        self, block: EncodedBlock, layout: KVLayout
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """(codes ``(groups, group)``, scales, zero points, block shape) of a record, checked."""
         source_code, group = _PARAMS.unpack(block.params)
         dtype_from_code(source_code, self.name)
         shape = check_num_tokens(block, layout, self.name)
@@ -84,4 +105,4 @@ class Int8Codec:
         codes = tensor_from_bytes(code_chunk, torch.uint8, (groups, group))
         scale = tensor_from_bytes(scale_chunk, torch.float16, (groups,))
         zero = tensor_from_bytes(zero_chunk, torch.float16, (groups,))
-        return dequantize(codes, scale, zero).reshape(shape).to(layout.torch_dtype)
+        return codes, scale, zero, shape
