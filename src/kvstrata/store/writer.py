@@ -213,10 +213,14 @@ class BackgroundWriter:
                 errors = self._write(batch)  # may grow the batch
             except (TierUnavailableError, OSError) as exc:
                 errors = [exc] * len(batch)
+            except Exception as exc:  # a bug must not stop the writer: the blocks stay dirty, retried
+                log.exception("background write failed unexpectedly")
+                errors = [exc] * len(batch)
             sizes = [self._size(block) for block in batch]
             with self._cond:
                 for block, size in zip(batch, sizes, strict=True):
-                    del self._inflight[block.key]
+                    # a grown batch may hold two versions of one key (a block and its re-encode)
+                    self._inflight.pop(block.key, None)
                     self._queued_bytes -= size
                 self._cond.notify_all()
             for block, size, error in zip(batch, sizes, errors, strict=True):
