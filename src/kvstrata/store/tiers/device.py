@@ -31,9 +31,10 @@ class DeviceTier:
         self._pool = torch.empty(
             (self.num_slots, *layout.block_shape()), dtype=layout.torch_dtype, device=self.device
         )
-        self._slot_views: list[torch.Tensor] = list(self._pool.unbind(0))
-        """A view of each slot, made once: indexing the pool per block costs more than a small
-        block's copy."""
+        self._slot_views: list[torch.Tensor | None] = [None] * self.num_slots
+        """A view of each slot, made on its first use and kept: indexing the pool per block costs
+        more than a small block's copy (and making all of them at open took 160 ms for a pool of
+        small blocks)."""
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots: dict[BlockKey, tuple[int, int, int]] = {}  # key -> (slot, num_tokens, start_pos)
         self._stored = 0
@@ -47,6 +48,8 @@ class DeviceTier:
             return None
         slot, num_tokens, start_pos = entry
         tensor = self._slot_views[slot]
+        if tensor is None:
+            tensor = self._slot_views[slot] = self._pool[slot]
         if num_tokens != self.layout.block_tokens:
             tensor = tensor[:, :, :, :num_tokens]
         return KVBlock(key, num_tokens, start_pos, tensor)
