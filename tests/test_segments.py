@@ -25,6 +25,7 @@ from kvstrata.cli.main import app
 from kvstrata.store.compaction import compact_segments
 from kvstrata.store.index.block_rows import BlockTable
 from kvstrata.store.lifecycle import collect_garbage
+from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
@@ -46,6 +47,18 @@ def _fill(store: KVStore, sid: str, first_token: int, blocks: int) -> list[int]:
 def _whole(store: KVStore, sid: str, tokens: list[int]) -> bool:
     loaded = store.load(store.session(sid))
     return loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+
+
+def _cut_short(store: KVStore, keep_blocks: int) -> tuple[Session, list[int]]:
+    """Session "s": 8 blocks checkpointed as one segment, then cut to ``keep_blocks`` and
+    checkpointed again, so the segment's other records are no longer named (holes once gc runs)."""
+    session = store.create_session("s")
+    tokens = list(range(8 * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.checkpoint(session)
+    store.truncate(session, keep_blocks * LAYOUT.block_tokens)
+    store.checkpoint(session)
+    return session, tokens
 
 
 def _disk_only(open_store: Factory, root: Path | None = None) -> KVStore:
@@ -126,12 +139,7 @@ def test_compaction_crash_before_the_commit_leaves_an_orphan_gc_removes(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = _disk_only(open_store)
-    session = store.create_session("s")
-    tokens = list(range(8 * LAYOUT.block_tokens))
-    store.append(session, tokens, token_kv(LAYOUT, tokens))
-    store.checkpoint(session)
-    store.truncate(session, 2 * LAYOUT.block_tokens)
-    store.checkpoint(session)
+    _, tokens = _cut_short(store, keep_blocks=2)
     collect_garbage(store, NO_GRACE)
     before = record_files(store.root, "segments")
 
@@ -157,12 +165,7 @@ def test_compaction_crash_after_the_commit_leaves_the_old_segment_to_gc(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = _disk_only(open_store)
-    session = store.create_session("s")
-    tokens = list(range(8 * LAYOUT.block_tokens))
-    store.append(session, tokens, token_kv(LAYOUT, tokens))
-    store.checkpoint(session)
-    store.truncate(session, 2 * LAYOUT.block_tokens)
-    store.checkpoint(session)
+    session, tokens = _cut_short(store, keep_blocks=2)
     collect_garbage(store, NO_GRACE)
     old = store.disk.path_of(session.block_keys[0])
     real = BlockTable.segment_refs
@@ -185,12 +188,7 @@ def test_a_reader_whose_segment_was_compacted_away_reads_the_new_one(
     open_store: Factory, tmp_path: Path
 ) -> None:
     reader = _disk_only(open_store)
-    session = reader.create_session("s")
-    tokens = list(range(8 * LAYOUT.block_tokens))
-    reader.append(session, tokens, token_kv(LAYOUT, tokens))
-    reader.checkpoint(session)
-    reader.truncate(session, 3 * LAYOUT.block_tokens)
-    reader.checkpoint(session)
+    session, tokens = _cut_short(reader, keep_blocks=3)
     assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # placements now cached here
     old = reader.disk.path_of(session.block_keys[0])
     other = _disk_only(open_store, tmp_path / "store")  # a second handle: another process's view

@@ -26,7 +26,7 @@ from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
 from kvstrata.store.index import BlockRow
 from kvstrata.store.index.block_rows import Placement
-from kvstrata.store.tiers.disk_files import drop_page_cache, fsync_dir, start_writeback
+from kvstrata.store.tiers.disk_files import drop_page_cache, fsync_dir, start_writeback, writev_all
 
 if TYPE_CHECKING:
     from kvstrata.store.tiers.disk import DiskTier
@@ -99,14 +99,7 @@ class DiskBatch:
         try:
             if self._fd is None:
                 self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            buffers = [memoryview(p).cast("B") for p in w.parts]
-            while buffers:
-                written = os.writev(self._fd, buffers)
-                while buffers and written >= len(buffers[0]):
-                    written -= len(buffers[0])
-                    buffers.pop(0)
-                if buffers and written:
-                    buffers[0] = buffers[0][written:]
+            writev_all(self._fd, w.parts)
         except OSError as exc:  # the rest of the batch fails with it; what was written before stays
             self._error = w.error = exc
             return

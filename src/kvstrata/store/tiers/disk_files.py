@@ -25,6 +25,8 @@ _STALE_TEMP_S = 3600.0
 old: no write takes that long."""
 
 _HAS_FADVISE = hasattr(os, "posix_fadvise")
+_IOV_MAX = 1024
+"""``os.writev`` takes at most this many buffers in one call (Linux's IOV_MAX)."""
 
 
 def drop_page_cache(fd: int) -> None:
@@ -83,18 +85,24 @@ class PendingFile:
     error: OSError | None = None
 
 
+def writev_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """Write ``parts`` in order at the file's position (short writes continued, at most IOV_MAX
+    buffers a call), the payloads not copied."""
+    buffers = [memoryview(p).cast("B") for p in parts]
+    while buffers:
+        written = os.writev(fd, buffers[:_IOV_MAX])
+        while buffers and written >= len(buffers[0]):
+            written -= len(buffers[0])
+            buffers.pop(0)
+        if buffers and written:
+            buffers[0] = buffers[0][written:]
+
+
 def _write_one(item: PendingFile) -> None:
     try:
         fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            parts = [memoryview(p).cast("B") for p in item.parts]
-            while parts:
-                written = os.writev(fd, parts)
-                while parts and written >= len(parts[0]):
-                    written -= len(parts[0])
-                    parts.pop(0)
-                if parts and written:
-                    parts[0] = parts[0][written:]
+            writev_all(fd, item.parts)
             os.fsync(fd)
             drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
         finally:
@@ -179,8 +187,6 @@ def remove_dead_temp_files(tmp_dir: Path, alive: Callable[[str], bool] | None) -
 # -- segments: the records of one batch back to back in one file ------------------------------------
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".kvseg"
-_IOV_MAX = 1024
-"""``os.writev`` takes at most this many buffers in one call (Linux's IOV_MAX)."""
 
 
 def segment_path(root: Path, segment_id: str) -> Path:
@@ -214,7 +220,6 @@ def write_segment(item: PendingSegment) -> None:
     """Every record of ``item`` back to back in its temp file (``writev``, payloads not copied),
     one fsync, the rename into place, one fsync of the directory: the whole batch durable with
     two waits. An error is left on the item (nothing is then in place)."""
-    buffers = [memoryview(p).cast("B") for record in item.records for p in record]
     item.offsets = []
     offset = 0
     for record in item.records:
@@ -223,13 +228,7 @@ def write_segment(item: PendingSegment) -> None:
     try:
         fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            while buffers:
-                written = os.writev(fd, buffers[:_IOV_MAX])
-                while buffers and written >= len(buffers[0]):
-                    written -= len(buffers[0])
-                    buffers.pop(0)
-                if buffers and written:
-                    buffers[0] = buffers[0][written:]
+            writev_all(fd, [p for record in item.records for p in record])
             os.fsync(fd)
             drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
         finally:
