@@ -47,8 +47,11 @@ def quantize(x: torch.Tensor, bits: int, codec_name: str) -> Quantized:
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """float32 ``codes * scale + zero``, with scale and zero broadcast along the last axis."""
-    return torch.addcmul(zero.float().unsqueeze(-1), codes.float(), scale.float().unsqueeze(-1))
+    """float32 ``codes * scale + zero``, with scale and zero broadcast along the last axis: a
+    product rounded, then a sum rounded (``decode_into`` runs the same two operations in place).
+    The product takes the integer codes as they are (no float copy of them first)."""
+    out = torch.mul(codes, scale.float().unsqueeze(-1))
+    return out.add_(zero.float().unsqueeze(-1))
 
 
 def packed_nbytes(count: int, bits: int) -> int:
