@@ -227,3 +227,33 @@ def test_a_failing_request_leaves_the_others_and_its_session_as_they_were(engine
     again = engine.run(GenerationRequest("s", prompt_ids=[*before, *ok.token_ids, 7], max_new_tokens=3))
     assert again.cached_tokens == len(before)
     assert not engine.busy("s")
+
+
+def test_a_burst_of_requests_starts_in_one_step_and_keeps_its_buffers(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """Requests arriving together while the batch is empty start in ONE step once their rows
+    are restored (not the first restored alone, then the next few...), and their restore buffers
+    are kept for the next burst (one per row of the batch)."""
+    config = StoreConfig(ladder=CodecLadder.exact())
+    store = KVStore(tmp_path / "s", tiny.layout(16), model_fingerprint=tiny.fingerprint, config=config)
+    engine = Engine(tiny, store, max_batch=4)
+    engine._stepper.gather_s = 60.0  # the wait ends when every row is open, long before this
+    histories = {f"s{i}": ids(100 + i, 20 + 10 * i) for i in range(4)}
+    for name, prompt in histories.items():
+        engine.run(GenerationRequest(name, prompt_ids=prompt, max_new_tokens=3))
+    recorder = Recorder()
+    engine.add_step_listener(recorder)
+    requests = [
+        GenerationRequest(name, prompt_ids=[*prompt, *ids(200, 5)], max_new_tokens=4)
+        for name, prompt in histories.items()
+    ]
+    with engine.store_lock:  # no restore finishes before the last request is in
+        streams = [engine.stream(request) for request in requests]
+    responses = [stream.result(120) for stream in streams]
+    assert all(r.completion_tokens == 4 and r.cached_tokens > 0 for r in responses)
+    plans = [r.plan for r in recorder.reports if not r.interrupted and r.plan.slots]
+    assert len(plans[0].slots) == 4
+    assert len(engine._jobs.prefixes._spare_buffers) == 4
+    engine.close()
+    store.close()

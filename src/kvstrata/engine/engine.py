@@ -157,6 +157,7 @@ class Engine:
             l1_resident_sessions=l1_resident_sessions,
             track_importance=track_importance,
             memory_modes=modes,
+            spare_buffers=max(2, self.budget.max_sequences),  # a burst restores into paged-in memory
         )
         self._admission = Admission(queue_limit)
         self._worker = PriorityWorker("kvstrata-store", self.store_lock)

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.errors import TierUnavailableError
+from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 from kvstrata.store import KVStore, LoadedKV
 from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
+
+SPARE_BYTES = 1 << 30
+"""Restore buffers kept for reuse, at most this many bytes in all."""
 
 
 @dataclass(slots=True)
@@ -56,10 +59,17 @@ class Prefix:
 class PrefixLoader:
     """Finds and loads prefixes; keeps the restore buffers of finished requests for reuse."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, *, spare_buffers: int = 2, spare_bytes: int = SPARE_BYTES) -> None:
+        """``spare_buffers``: how many restore buffers of finished requests to keep (the engine
+        keeps one per row of its batch), at most ``spare_bytes`` in all."""
+        if spare_buffers < 0 or spare_bytes < 0:
+            raise ConfigError("spare_buffers and spare_bytes must be >= 0")
         self.store = store
+        self.spare_buffers = spare_buffers
+        self.spare_bytes = spare_bytes
         # Restore buffers of finished requests, already paged in: a restore into fresh memory
-        # spends most of its time in page faults (docs/benchmarks.md). At most two are kept.
+        # spends most of its time in page faults (docs/benchmarks.md; a 600-token SmolLM2
+        # session: 8 ms into fresh memory). The largest are kept.
         self._spare_buffers: list[torch.Tensor] = []
 
     def load(self, session: Session, prompt_ids: list[int], capacity: int, mode: MemoryMode | None) -> Prefix:
@@ -91,7 +101,14 @@ class PrefixLoader:
             or own.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
         ):
             return  # the cache copied the KV, or outgrew the buffer: nothing to keep
-        self._spare_buffers = sorted([*self._spare_buffers, buffer], key=lambda b: b.shape[3])[-2:]
+        kept: list[torch.Tensor] = []
+        room = self.spare_bytes
+        for spare in sorted([*self._spare_buffers, buffer], key=lambda b: b.shape[3], reverse=True):
+            nbytes = spare.numel() * spare.element_size()
+            if len(kept) < self.spare_buffers and nbytes <= room:
+                kept.append(spare)
+                room -= nbytes
+        self._spare_buffers = kept
 
     def find(
         self, session: Session, prompt_ids: list[int], capacity: int = 0, spare: torch.Tensor | None = None

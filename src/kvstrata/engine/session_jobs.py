@@ -47,6 +47,7 @@ class SessionJobs:
         l1_resident_sessions: int,
         track_importance: bool,
         memory_modes: Mapping[Priority, MemoryMode],
+        spare_buffers: int = 2,
     ) -> None:
         if l1_resident_sessions < 1:
             raise ConfigError("l1_resident_sessions must be >= 1")
@@ -55,7 +56,7 @@ class SessionJobs:
         self.l1_resident_sessions = l1_resident_sessions
         self.track_importance = track_importance
         self.memory_modes = memory_modes
-        self.prefixes = PrefixLoader(store)
+        self.prefixes = PrefixLoader(store, spare_buffers=spare_buffers)
         self._devices = layer_devices(model.model)
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._last_request: dict[tuple[str, str], float] = {}

@@ -145,6 +145,8 @@ class _Step:
     rows: list[BatchRow]
     bounds: list[tuple[int, int]]
     base_attention: str
+    sizes: list[int] = field(default_factory=list)
+    """Each row's new tokens (``stop - start`` of its bounds): the packed tensors split by them."""
     interrupt: Callable[[], bool] | None = None
     masks: list[torch.Tensor | None] = field(default_factory=list)
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
@@ -161,11 +163,12 @@ class _StepCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        views = []
-        for (start, stop), row in zip(self.step.bounds, self.step.rows, strict=True):
-            layer = row.cache.layers[layer_idx]
-            views.append(layer.update(key_states[:, :, start:stop], value_states[:, :, start:stop]))
-        self.step.views[layer_idx] = views
+        sizes = self.step.sizes
+        keys, values = key_states.split(sizes, dim=2), value_states.split(sizes, dim=2)
+        self.step.views[layer_idx] = [
+            row.cache.layers[layer_idx].update(k, v)
+            for row, k, v in zip(self.step.rows, keys, values, strict=True)
+        ]
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -191,16 +194,15 @@ def _batched_attention(
     if step.interrupt is not None and step.interrupt():
         raise StepInterrupted(f"the step was given up at layer {layer_idx}")
     outputs = []
-    views = step.views[layer_idx]
-    rows = zip(step.rows, step.bounds, views, step.masks, strict=True)
-    for row, (start, stop), (keys, values), mask in rows:
-        q = query[:, :, start:stop]
+    sdpa = step.base_attention == "sdpa"
+    rows = zip(step.rows, query.split(step.sizes, dim=2), step.views[layer_idx], step.masks, strict=True)
+    for row, q, (keys, values), mask in rows:
         if row.attention_mass is not None:  # eager, which returns the probabilities
             out, weights = eager_attention_forward(
                 module, q, keys, values, mask, scaling=scaling, dropout=0.0
             )
             row._add_attention(weights)
-        elif step.base_attention == "sdpa" and stop - start == 1:
+        elif sdpa and q.shape[2] == 1:
             out = _sdpa_one_query(q, keys, values, scaling)
         else:
             out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=0.0)
@@ -218,7 +220,7 @@ def _sdpa_one_query(
     heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
     grouped = query.reshape(1, kv_heads, heads // kv_heads, dim)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
-    return out.reshape(1, heads, 1, dim).transpose(1, 2)
+    return out.reshape(1, 1, heads, dim)
 
 
 def _row_mask(
@@ -274,7 +276,8 @@ class BatchedForward:
         rows, bounds, ids, positions, keep = self._pack(segments)
         if not rows:
             return []
-        step = _Step(rows, bounds, self.base_attention, interrupt)
+        sizes = [stop - start for start, stop in bounds]
+        step = _Step(rows, bounds, self.base_attention, sizes=sizes, interrupt=interrupt)
         dtype = self.model.dtype
         for row, (start, stop) in zip(rows, bounds, strict=True):
             n_total = row.length + stop - start

@@ -96,6 +96,8 @@ class BatchLoop:
         self.forward = forward
         self.scheduler = StepScheduler(budget)
         self._requests: dict[str, LoopRequest] = {}
+        self._failed: list[LoopRequest] = []
+        """Requests whose row failed to open in :meth:`admit`, reported by the next step."""
         self.last_plan = StepPlan(-1, (), ())
         """The plan of the last step run or tried (a step that raised names its rows here)."""
 
@@ -120,11 +122,28 @@ class BatchLoop:
     def pending(self) -> int:
         return len(self._requests)
 
+    @property
+    def open_rows(self) -> int:
+        """Requests whose row is open (admitted: in the batch)."""
+        return sum(request.row is not None for request in self._requests.values())
+
+    @property
+    def realtime_open(self) -> bool:
+        return any(
+            r.row is not None and r.priority is Priority.REALTIME for r in self._requests.values()
+        )
+
+    def admit(self) -> None:
+        """Admit what can be admitted now (each step does this first); a request whose row fails
+        to open finishes with an error, reported by the next step."""
+        self._failed += self._admit()
+
     def step(self, interrupt: Callable[[StepPlan], bool] | None = None) -> StepResult:
         """Admit what can be admitted, run one step, pick the tokens. ``interrupt(plan)`` is
         asked during the forward pass whether to give the step up (see
         :meth:`BatchedForward.forward`)."""
-        finished = self._admit()
+        self.admit()
+        finished, self._failed = self._failed, []
         plan = self.last_plan = self.scheduler.plan()
         segments: list[Segment] = []
         for slot in plan.slots:

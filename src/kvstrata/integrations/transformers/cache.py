@@ -65,8 +65,8 @@ class KVStrataLayer(DynamicLayer):
     def _set_length(self, n: int) -> None:
         assert self._key_buffer is not None and self._value_buffer is not None
         self.length = n
-        self.keys = self._key_buffer[..., :n, :]
-        self.values = self._value_buffer[..., :n, :]
+        self.keys = self._key_buffer.narrow(-2, 0, n)
+        self.values = self._value_buffer.narrow(-2, 0, n)
 
     def _sync_from_views(self) -> None:
         """Adopt ``self.keys`` / ``self.values`` after a parent helper replaced them."""
@@ -92,9 +92,9 @@ class KVStrataLayer(DynamicLayer):
         needed = self.length + n_new
         if needed > self._key_buffer.shape[-2]:
             self._grow(max(needed, 2 * self._key_buffer.shape[-2]))
-        start = self.length
-        self._key_buffer[..., start:needed, :].copy_(key_states)
-        self._value_buffer[..., start:needed, :].copy_(value_states)
+        start = self.length  # narrow, not [..., a:b, :]: a batched step calls this per row and layer
+        self._key_buffer.narrow(-2, start, n_new).copy_(key_states)
+        self._value_buffer.narrow(-2, start, n_new).copy_(value_states)
         self._set_length(needed)
         return self.keys, self.values
 
