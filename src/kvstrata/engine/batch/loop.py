@@ -129,9 +129,7 @@ class BatchLoop:
 
     @property
     def realtime_open(self) -> bool:
-        return any(
-            r.row is not None and r.priority is Priority.REALTIME for r in self._requests.values()
-        )
+        return any(r.row is not None and r.priority is Priority.REALTIME for r in self._requests.values())
 
     def admit(self) -> None:
         """Admit what can be admitted now (each step does this first); a request whose row fails
