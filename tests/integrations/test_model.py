@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from kvstrata.errors import ConfigError
-from kvstrata.integrations.transformers import model as model_module
+from kvstrata.integrations.transformers import conversion, fingerprints
 from kvstrata.integrations.transformers.model import (
     FINGERPRINT_BYTES,
     MODEL_CACHE_ENV,
@@ -232,14 +232,14 @@ def test_fingerprint_is_hashed_once_per_file_identity(
     model_dir = tmp_path / "m"
     shutil.copytree(tiny_dir, model_dir)
     _backdate(model_dir)
-    real_hash = model_module._hash_model_files
+    real_hash = fingerprints._hash_model_files
     calls: list[Path] = []
 
     def counting_hash(config_path: Path, weight_files: list[Path]) -> bytes:
         calls.append(config_path.parent)
         return real_hash(config_path, weight_files)
 
-    monkeypatch.setattr(model_module, "_hash_model_files", counting_hash)
+    monkeypatch.setattr(fingerprints, "_hash_model_files", counting_hash)
 
     first = fingerprint_model_dir(model_dir, cache_dir=cache)
     second = fingerprint_model_dir(model_dir, cache_dir=cache)
@@ -370,7 +370,7 @@ def test_gguf_is_converted_once_into_the_cache(tmp_path: Path, monkeypatch: pyte
     def no_second_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cached conversion should have been reused")
 
-    monkeypatch.setattr(model_module, "_write_conversion", no_second_conversion)
+    monkeypatch.setattr(conversion, "_write_conversion", no_second_conversion)
     again = load_model(gguf_path, cache_dir=cache, progress=False)
     assert again.path == loaded.path
     assert again.fingerprint == loaded.fingerprint
@@ -399,7 +399,7 @@ def test_lost_chat_template_is_carried_over_from_the_gguf(
                 tokenizer.chat_template = None
             return tokenizer
 
-    monkeypatch.setattr(model_module, "AutoTokenizer", TemplateLosingAutoTokenizer)
+    monkeypatch.setattr(conversion, "AutoTokenizer", TemplateLosingAutoTokenizer)
     converted = convert_gguf(gguf_path, cache_dir=tmp_path / "cache", progress=False)
 
     assert AutoTokenizer.from_pretrained(converted).chat_template == CHATML_TEMPLATE
@@ -434,18 +434,18 @@ def test_interrupted_conversion_is_never_published(tmp_path: Path) -> None:
         raise RuntimeError("killed mid-conversion")
 
     with pytest.raises(RuntimeError, match="killed"):
-        model_module._publish_dir(target, build_then_fail)
+        conversion._publish_dir(target, build_then_fail)
     assert list(tmp_path.iterdir()) == []
 
-    model_module._publish_dir(target, lambda out_dir: (out_dir / "config.json").write_text("{}"))
+    conversion._publish_dir(target, lambda out_dir: (out_dir / "config.json").write_text("{}"))
     assert [path.name for path in tmp_path.iterdir()] == ["model-abc"]
     assert (target / "config.json").read_text() == "{}"
 
 
 def test_losing_a_publish_race_keeps_the_winner(tmp_path: Path) -> None:
     target = tmp_path / "model-abc"
-    model_module._publish_dir(target, lambda out_dir: (out_dir / "config.json").write_text('{"first": 1}'))
-    model_module._publish_dir(target, lambda out_dir: (out_dir / "config.json").write_text('{"second": 2}'))
+    conversion._publish_dir(target, lambda out_dir: (out_dir / "config.json").write_text('{"first": 1}'))
+    conversion._publish_dir(target, lambda out_dir: (out_dir / "config.json").write_text('{"second": 2}'))
 
     assert [path.name for path in tmp_path.iterdir()] == ["model-abc"]
     assert (target / "config.json").read_text() == '{"first": 1}'
@@ -461,7 +461,7 @@ def test_stale_conversion_temps_are_removed(tmp_path: Path) -> None:
     for directory in (stale, unrelated):
         os.utime(directory, (long_ago, long_ago))
 
-    model_module._remove_stale_temps(tmp_path, "model-abc")
+    conversion._remove_stale_temps(tmp_path, "model-abc")
     assert sorted(path.name for path in tmp_path.iterdir()) == [".model-abc.tmp-new", ".other.tmp-old"]
 
 
