@@ -257,3 +257,47 @@ def test_a_burst_of_requests_starts_in_one_step_and_keeps_its_buffers(
     assert len(engine._jobs.prefixes._spare_buffers) == 4
     engine.close()
     store.close()
+
+
+def test_a_realtime_row_is_not_held_back_for_rows_still_restoring(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The burst wait ends as soon as a realtime row is open: the realtime request runs while a
+    background request's restore is still going on."""
+    config = StoreConfig(ladder=CodecLadder.exact())
+    store = KVStore(tmp_path / "s", tiny.layout(16), model_fingerprint=tiny.fingerprint, config=config)
+    engine = Engine(tiny, store, max_batch=4)
+    engine._stepper.gather_s = 60.0
+    release = threading.Event()
+    real_open = engine._jobs.open
+
+    def slow_background(inflight):  # type: ignore[no-untyped-def]
+        if inflight.request.priority.value == "background":
+            assert release.wait(60)
+        real_open(inflight)
+
+    monkeypatch.setattr(engine._jobs, "open", slow_background)
+    realtime_ran = threading.Event()
+    watched: list[str] = []
+
+    def listener(report: StepReport) -> None:
+        if any(slot.request_id in watched for slot in report.plan.slots):
+            realtime_ran.set()
+
+    engine.add_step_listener(listener)
+    with engine.store_lock:  # both restores queued before either runs: the realtime one goes first
+        background = engine.stream(
+            GenerationRequest("bg", prompt_ids=ids(300, 20), max_new_tokens=3, priority="background")
+        )
+        realtime = engine.stream(
+            GenerationRequest("rt", prompt_ids=ids(301, 20), max_new_tokens=3, priority="realtime")
+        )
+        watched.append(realtime.request_id)
+    try:
+        assert realtime_ran.wait(30)  # with the background row still restoring
+    finally:
+        release.set()
+    assert realtime.result(60).completion_tokens == 3
+    assert background.result(60).completion_tokens == 3
+    engine.close()
+    store.close()
