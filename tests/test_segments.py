@@ -274,3 +274,24 @@ def test_preadv_all_fills_any_number_of_buffers_across_short_reads(tmp_path: Pat
             assert got == len(expected) and b"".join(bytes(b) for b in buffers)[:got] == expected
     finally:
         os.close(fd)
+
+
+def test_a_small_decoded_restore_is_read_in_ranges_enough_for_every_decoder() -> None:
+    from kvstrata.keys import BlockKey
+    from kvstrata.store.index.block_rows import Placement
+    from kvstrata.store.restore_stream import _DECODERS, buffered_chunk_bytes
+    from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, MIN_CHUNK_BYTES, Extent, plan_chunks
+
+    def extents(count: int, nbytes: int) -> list[Extent]:
+        return [
+            Extent(i, BlockKey(bytes([i % 256]) * 32), Placement(False, nbytes, 2, 64, "seg", i * nbytes))
+            for i in range(count)
+        ]
+
+    paths = {"seg": Path("seg.kvseg")}
+    small = extents(8, 1 << 20)  # 8 int8 records of 1 MiB: 2 ranges of 4 MiB before
+    chunks = plan_chunks(small, paths, buffered_chunk_bytes(small))
+    assert len(chunks) >= 2 * _DECODERS and sum(len(c.extents) for c in chunks) == 8
+    large = extents(400, 1 << 20)
+    assert buffered_chunk_bytes(large) == CHUNK_BYTES
+    assert buffered_chunk_bytes(extents(2, 4096)) == MIN_CHUNK_BYTES

@@ -24,6 +24,8 @@ from kvstrata.store.index.block_rows import Placement
 CHUNK_BYTES = 4 << 20
 """Bytes per read (at least one record): large enough for the disk, small enough to overlap with
 decoding and to stay in the CPU's caches between the kernel's copy and the decode."""
+MIN_CHUNK_BYTES = 256 << 10
+"""The smallest range a restore splits its reads into (a range still holds at least one record)."""
 IN_PLACE_CHUNK_BYTES = 16 << 20
 """Bytes per read when records go straight into place (no buffer to bound; the fewer reads, the
 fewer gaps in which the disk waits for the next request)."""
