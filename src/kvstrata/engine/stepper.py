@@ -140,6 +140,7 @@ class Stepper:
                     while not self._inbox and not self._woken and (waiting or not self.loop.pending):
                         if not self.loop.pending:
                             self._thread = None  # idle: the next submit starts a new thread
+                            self._gather_until = None  # (a burst that never opened a row)
                             self._cond.notify_all()
                             return
                         self._cond.wait()
