@@ -143,10 +143,9 @@ class _Step:
     """What the cache and the attention function of one forward pass share."""
 
     rows: list[BatchRow]
-    bounds: list[tuple[int, int]]
+    sizes: list[int]
+    """Each row's new tokens, in packed order: the packed tensors are split by them."""
     base_attention: str
-    sizes: list[int] = field(default_factory=list)
-    """Each row's new tokens (``stop - start`` of its bounds): the packed tensors split by them."""
     interrupt: Callable[[], bool] | None = None
     masks: list[torch.Tensor | None] = field(default_factory=list)
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
@@ -273,15 +272,13 @@ class BatchedForward:
         :class:`StepInterrupted`): a realtime request that became ready while a long step of
         other rows runs then waits for one layer, not for the rest of the step. What was computed
         of the step is thrown away: at most one step per realtime arrival."""
-        rows, bounds, ids, positions, keep = self._pack(segments)
+        rows, sizes, ids, positions, keep = self._pack(segments)
         if not rows:
             return []
-        sizes = [stop - start for start, stop in bounds]
-        step = _Step(rows, bounds, self.base_attention, sizes=sizes, interrupt=interrupt)
+        step = _Step(rows, sizes, self.base_attention, interrupt)
         dtype = self.model.dtype
-        for row, (start, stop) in zip(rows, bounds, strict=True):
-            n_total = row.length + stop - start
-            mask = _row_mask(stop - start, n_total, dtype, self._input_device, self.base_attention)
+        for row, n_new in zip(rows, sizes, strict=True):
+            mask = _row_mask(n_new, row.length + n_new, dtype, self._input_device, self.base_attention)
             step.masks.append(mask)
         lengths = [row.length for row in rows]
         device = self._input_device
@@ -318,9 +315,9 @@ class BatchedForward:
 
     def _pack(
         self, segments: Sequence[Segment]
-    ) -> tuple[list[BatchRow], list[tuple[int, int]], list[int], list[int], list[int]]:
+    ) -> tuple[list[BatchRow], list[int], list[int], list[int], list[int]]:
         rows: list[BatchRow] = []
-        bounds: list[tuple[int, int]] = []
+        sizes: list[int] = []
         ids: list[int] = []
         positions: list[int] = []
         keep: list[int] = []
@@ -341,14 +338,13 @@ class BatchedForward:
                 raise ConfigError(
                     f"a row would reach position {first + len(tokens)}, past the model's {self.max_positions}"
                 )
-            start = len(ids)
             ids.extend(tokens)
             positions.extend(range(first, first + len(tokens)))
             rows.append(row)
-            bounds.append((start, len(ids)))
+            sizes.append(len(tokens))
             if segment.logits:
                 keep.append(len(ids) - 1)
-        return rows, bounds, ids, positions, keep
+        return rows, sizes, ids, positions, keep
 
 
 def _truncate(row: BatchRow, length: int) -> None:
