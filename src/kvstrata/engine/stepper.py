@@ -39,12 +39,26 @@ from kvstrata.priority import Priority
 log = logging.getLogger(__name__)
 
 GATHER_S = 0.05
-"""How long, at most, the step thread waits with an empty batch for the rows still being restored
-before its first step. A burst of requests (a client fanning out, a server's first seconds) then
-starts in one step: without the wait the first restored row ran alone, the next step took the few
-restored meanwhile, and so on (SmolLM2, 16 sessions: steps of 1, 7, 15 rows before all 16; each
-step costs nearly as much as a full one). The wait ends as soon as every row is open, the batch
-is full or a realtime row is open; rows already running are never held back by it."""
+"""With an empty batch, how long the step thread waits for the rows still being restored after
+the last one opened (or after the burst arrived) before its first step. A burst of requests (a
+client fanning out, a server's first seconds) then starts in one step: without the wait the first
+restored row ran alone, the next step took the few restored meanwhile, and so on (SmolLM2, 16
+sessions: steps of 1, 7, 15 rows before all 16; each step costs nearly as much as a full one).
+The wait ends as soon as every row is open, the batch is full or a realtime row is open, when no
+row opened for ``GATHER_S``, and at ``GATHER_MAX_S`` after the burst arrived in any case; rows
+already running are never held back by it. (A fixed 50 ms from the arrival was too short for 16
+fp32 restores, about 3.5 ms each on one store worker: the first step held 14 or 15 rows, and one
+step more per burst cost 6% of its throughput.)"""
+GATHER_MAX_S = 0.25
+
+
+@dataclass(slots=True)
+class _Gathering:
+    """The step thread's wait for a burst's rows: when it began, and when a row last opened."""
+
+    started: float
+    progress: float
+    opened: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +98,8 @@ class Stepper:
         self._live: dict[str, InFlight] = {}
         self._thread: threading.Thread | None = None
         self.gather_s = GATHER_S
-        self._gather_until: float | None = None
+        self.gather_max_s = GATHER_MAX_S
+        self._gather: _Gathering | None = None
 
     # -- from other threads ----------------------------------------------------------------------
     def submit(self, inflight: InFlight) -> None:
@@ -140,7 +155,7 @@ class Stepper:
                     while not self._inbox and not self._woken and (waiting or not self.loop.pending):
                         if not self.loop.pending:
                             self._thread = None  # idle: the next submit starts a new thread
-                            self._gather_until = None  # (a burst that never opened a row)
+                            self._gather = None  # (a burst that never opened a row)
                             self._cond.notify_all()
                             return
                         self._cond.wait()
@@ -151,7 +166,7 @@ class Stepper:
                         self._add(inflight)
                     else:
                         self._end(inflight, reason)
-                if self._gather():
+                if self._gather_rows():
                     continue  # a request came or went meanwhile: take it in first
                 waiting = not self._step()
 
@@ -180,23 +195,31 @@ class Stepper:
         self._live.pop(inflight.request_id, None)
         self.on_finished(inflight, reason)
 
-    def _gather(self) -> bool:
-        """With no row open yet, wait (see ``GATHER_S``) while rows are still being restored;
-        True when the inbox got something meanwhile (the caller applies it, then asks again)."""
+    def _gather_rows(self) -> bool:
+        """With an empty batch, wait (see ``GATHER_S``) while rows are still being restored; True
+        when the inbox got something meanwhile (the caller applies it, then asks again: the wait
+        goes on where it was)."""
         loop = self.loop
-        if loop.open_rows or not loop.pending or self.gather_s <= 0:
-            self._gather_until = None
+        if not loop.pending or self.gather_s <= 0:
+            self._gather = None
             return False
-        if self._gather_until is None:
-            self._gather_until = time.perf_counter() + self.gather_s
+        now = time.perf_counter()
+        if self._gather is None:
+            if loop.open_rows:  # rows are running: not the start of a burst
+                return False
+            self._gather = _Gathering(started=now, progress=now)
+        gathering = self._gather
         full = loop.scheduler.budget.max_sequences
         while True:
             loop.admit()
             opened = loop.open_rows
-            if opened >= min(loop.pending, full) or loop.realtime_open:
-                return False
-            remaining = self._gather_until - time.perf_counter()
-            if remaining <= 0:
+            now = time.perf_counter()
+            if opened > gathering.opened:
+                gathering.opened, gathering.progress = opened, now
+            deadline = min(gathering.progress + self.gather_s, gathering.started + self.gather_max_s)
+            remaining = deadline - now
+            if opened >= min(loop.pending, full) or loop.realtime_open or remaining <= 0:
+                self._gather = None
                 return False
             with self._cond:
                 if self._inbox:
