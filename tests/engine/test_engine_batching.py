@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,7 +239,7 @@ def test_a_burst_of_requests_starts_in_one_step_and_keeps_its_buffers(
     config = StoreConfig(ladder=CodecLadder.exact())
     store = KVStore(tmp_path / "s", tiny.layout(16), model_fingerprint=tiny.fingerprint, config=config)
     engine = Engine(tiny, store, max_batch=4)
-    engine._stepper.gather_s = 60.0  # the wait ends when every row is open, long before this
+    engine._stepper.gather_s = engine._stepper.gather_max_s = 60.0  # every row opens long before
     histories = {f"s{i}": ids(100 + i, 20 + 10 * i) for i in range(4)}
     for name, prompt in histories.items():
         engine.run(GenerationRequest(name, prompt_ids=prompt, max_new_tokens=3))
@@ -267,7 +268,7 @@ def test_a_realtime_row_is_not_held_back_for_rows_still_restoring(
     config = StoreConfig(ladder=CodecLadder.exact())
     store = KVStore(tmp_path / "s", tiny.layout(16), model_fingerprint=tiny.fingerprint, config=config)
     engine = Engine(tiny, store, max_batch=4)
-    engine._stepper.gather_s = 60.0
+    engine._stepper.gather_s = engine._stepper.gather_max_s = 60.0
     release = threading.Event()
     real_open = engine._jobs.open
 
@@ -299,5 +300,39 @@ def test_a_realtime_row_is_not_held_back_for_rows_still_restoring(
         release.set()
     assert realtime.result(60).completion_tokens == 3
     assert background.result(60).completion_tokens == 3
+    engine.close()
+    store.close()
+
+
+def test_the_burst_wait_follows_the_restores_and_does_not_wait_for_a_slow_one(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that keep opening keep the burst's first step waiting (three restores 0.3 s apart
+    start together, though the wait after an opening is 0.5 s: a fixed wait from the arrival
+    would start with one row), and a restore that takes much longer is not waited for: the
+    three run, the fourth joins later."""
+    config = StoreConfig(ladder=CodecLadder.exact())
+    store = KVStore(tmp_path / "s", tiny.layout(16), model_fingerprint=tiny.fingerprint, config=config)
+    engine = Engine(tiny, store, max_batch=4)
+    engine._stepper.gather_s, engine._stepper.gather_max_s = 0.5, 60.0
+    real_open = engine._jobs.open
+
+    def slow_open(inflight):  # type: ignore[no-untyped-def]
+        time.sleep(3.0 if inflight.request.session_id == "slow" else 0.3)
+        real_open(inflight)
+
+    monkeypatch.setattr(engine._jobs, "open", slow_open)
+    recorder = Recorder()
+    engine.add_step_listener(recorder)
+    with engine.store_lock:  # every request is in before the first restore starts
+        streams = [
+            engine.stream(GenerationRequest(name, prompt_ids=ids(400 + i, 12), max_new_tokens=3))
+            for i, name in enumerate(["a", "b", "c", "slow"])  # restored in this order
+        ]
+    assert all(stream.result(60).completion_tokens == 3 for stream in streams)
+    names = {stream.request_id: name for stream, name in zip(streams, "abcd", strict=True)}
+    plans = [[names[s.request_id] for s in r.plan.slots] for r in recorder.reports if r.plan.slots]
+    assert sorted(plans[0]) == ["a", "b", "c"]
+    assert any("d" in plan for plan in plans[1:])
     engine.close()
     store.close()
