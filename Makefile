@@ -2,15 +2,16 @@
 #   make demo   - create .venv, install everything, run the main job
 #   make test   - create .venv (and .venv-vllm), install everything, run lint and the whole test suite
 #   make clean  - remove both venvs and the tool caches
-# Needs: Python 3.11, make, PyPI; `make test` also redis-server (installed with apt-get when missing, as
-# root) and about 5.5 GB of disk (.venv 1.5 GB, .venv-vllm 3.5 GB, the converted model 0.5 GB).
+# Needs: Python 3.11, make, PyPI; `make test` also redis-server and a C++ compiler (installed with
+# apt-get when missing, as root; the compiler builds the native decode-attention kernel) and about
+# 5.5 GB of disk (.venv 1.5 GB, .venv-vllm 3.5 GB, the converted model 0.5 GB).
 VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvstrata-installed
 
-.PHONY: demo test lint redis bench-reopen clean
+.PHONY: demo test lint redis compiler bench-reopen clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +30,12 @@ demo: $(STAMP)
 redis:
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server redis-tools; }
 
-test: $(STAMP) redis
+# kvstrata's native CPU kernel (engine/batch/decode_attention.cpp) is built on first use with torch's
+# extension loader; without a compiler kvstrata runs without it, but its tests want to build it
+compiler:
+	command -v c++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
+
+test: $(STAMP) redis compiler
 	$(PY) -m ruff check src tests tests_vllm
 	$(PY) -m pytest
 	$(MAKE) test-vllm

@@ -36,6 +36,15 @@ def token_kv(layout: KVLayout, token_ids: list[int], start_pos: int = 0) -> torc
     return (base * torch.sin(tok * 0.37 + pos * 0.011) + tok * 1e-3).to(layout.torch_dtype)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernel() -> None:
+    """Build (or load) the native decode-attention kernel before the first test, so that fp32 sdpa
+    steps take the same path in every test, not one that depends on when a background build ends."""
+    from kvstrata.engine.batch import decode_kernel
+
+    decode_kernel.load()
+
+
 @pytest.fixture
 def layout() -> KVLayout:
     return LAYOUT

@@ -45,3 +45,15 @@ def prefix_kv(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     cache = KVStrataCache.empty_for(model)
     solo_forward(model, cache, token_ids)
     return cache.new_kv(0).clone()
+
+
+def restored(model: torch.nn.Module, history: list[int]) -> KVStrataCache:
+    """A cache holding ``history``'s KV, built as a restore from the store builds it."""
+    if not history:
+        return KVStrataCache.empty_for(model)
+    return KVStrataCache.from_kv(prefix_kv(model, history), model=model)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """``n`` random token ids of the tiny model's vocabulary, the same for the same seed."""
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batch_reference import prefix_kv, solo_forward, solo_greedy
+from batch_reference import ids, prefix_kv, restored, solo_forward, solo_greedy
 
 from kvstrata import ConfigError
 from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterrupted
@@ -18,20 +18,9 @@ from kvstrata.integrations.transformers.packed_linear import bf16_packing_availa
 ATOL = 1e-4
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return tiny_llama(5, num_layers=3, hidden=64, heads=4, kv_heads=2)
-
-
-def restored(model: torch.nn.Module, history: list[int]) -> KVStrataCache:
-    """A cache holding ``history``'s KV, built as a restore from the store builds it."""
-    if not history:
-        return KVStrataCache.empty_for(model)
-    return KVStrataCache.from_kv(prefix_kv(model, history), model=model)
 
 
 def test_rows_of_different_lengths_prefilling_and_decoding_in_one_step_match_solo(

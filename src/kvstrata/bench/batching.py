@@ -193,6 +193,7 @@ def run(
     if threads:
         torch.set_num_threads(threads)
 
+    from kvstrata.engine.batch import decode_kernel
     from kvstrata.integrations.transformers.model import load_model
 
     counts = sorted(set(sessions or [1, 4, 8, 16, 32]))
@@ -217,6 +218,9 @@ def run(
                 attn_implementation=attn,
                 progress=progress,
             )
+            if loaded.model.dtype == torch.float32:  # measure with the native kernel, if it builds here
+                bar.update(task, description="batching: build the native decode-attention kernel")
+                decode_kernel.load()
             limit = getattr(loaded.model.config, "max_position_embeddings", None)
             if limit is not None and history[1] + steps + chunk > limit:
                 raise ConfigError(
@@ -280,7 +284,7 @@ def run(
     params = {"model": str(model) if model else None, "sessions": counts, "history": list(history)}
     params |= {"steps": steps, "dtypes": names, "chunk": chunk, "padded": padded, "attn": attn}
     params |= {"modes": modes, "repeats": repeats, "vllm_python": str(vllm_python)}
-    params |= {"threads": torch.get_num_threads()}
+    params |= {"threads": torch.get_num_threads(), "decode_kernel": decode_kernel.status()}
     return BenchResult(
         SUITE, params, data, _tables(data, variants), plot=lambda fig: _plot(fig, data, variants)
     )

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from kvstrata.engine.batch import decode_kernel
 from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 
@@ -147,6 +149,12 @@ class _Step:
     """Each row's new tokens, in packed order: the packed tensors are split by them."""
     base_attention: str
     interrupt: Callable[[], bool] | None = None
+    kernel: ModuleType | None = None
+    """The native decode-attention kernel (:mod:`.decode_kernel`), for the rows in ``native``."""
+    native: list[int] = field(default_factory=list)
+    """The rows whose attention the kernel computes: one query, no attention tracking."""
+    native_tokens: torch.Tensor | None = None
+    """Their queries' places in the packed sequence (None: every row is native, in order)."""
     masks: list[torch.Tensor | None] = field(default_factory=list)
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
@@ -192,10 +200,19 @@ def _batched_attention(
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     if step.interrupt is not None and step.interrupt():
         raise StepInterrupted(f"the step was given up at layer {layer_idx}")
-    outputs = []
+    views = step.views[layer_idx]
+    outputs: list[torch.Tensor | None] = [None] * len(step.rows)
+    if step.kernel is not None and step.native:
+        native = _native_attention(step, query, views, scaling)  # (rows, heads, D)
+        if step.native_tokens is None:
+            return native.unsqueeze(0), None
+        for i, out in zip(step.native, native.unsqueeze(1).unsqueeze(1), strict=True):
+            outputs[i] = out
     sdpa = step.base_attention == "sdpa"
-    rows = zip(step.rows, query.split(step.sizes, dim=2), step.views[layer_idx], step.masks, strict=True)
-    for row, q, (keys, values), mask in rows:
+    rows = zip(step.rows, query.split(step.sizes, dim=2), views, step.masks, strict=True)
+    for i, (row, q, (keys, values), mask) in enumerate(rows):
+        if outputs[i] is not None:
+            continue
         if row.attention_mass is not None:  # eager, which returns the probabilities
             out, weights = eager_attention_forward(
                 module, q, keys, values, mask, scaling=scaling, dropout=0.0
@@ -205,8 +222,21 @@ def _batched_attention(
             out = _sdpa_one_query(q, keys, values, scaling)
         else:
             out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=0.0)
-        outputs.append(out)  # (1, n, heads, D)
-    return torch.cat(outputs, dim=1), None
+        outputs[i] = out  # (1, n, heads, D)
+    return torch.cat(outputs, dim=1), None  # type: ignore[arg-type]
+
+
+def _native_attention(
+    step: _Step, query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]], scaling: float
+) -> torch.Tensor:
+    """The native rows' attention in one kernel call: ``(rows, heads, D)``."""
+    assert step.kernel is not None
+    packed = query[0].transpose(0, 1)  # (T, heads, D)
+    if step.native_tokens is not None:
+        packed = packed.index_select(0, step.native_tokens)
+    keys = [views[i][0] for i in step.native]
+    values = [views[i][1] for i in step.native]
+    return decode_kernel.decode_attention(step.kernel, packed, keys, values, scaling)
 
 
 def _sdpa_one_query(
@@ -259,6 +289,14 @@ class BatchedForward:
         self.num_layers = len(layer_devices(model))
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self._input_device = model.get_input_embeddings().weight.device
+        self._native = (
+            base == "sdpa"
+            and model.dtype == torch.float32
+            and all(device.type == "cpu" for device in layer_devices(model))
+            and decode_kernel.fits(model.config)
+        )
+        if self._native:
+            decode_kernel.start()  # in the background; sdpa until it is loaded
         AttentionInterface.register(ATTENTION_NAME, _batched_attention)  # idempotent
 
     @torch.inference_mode()
@@ -276,6 +314,8 @@ class BatchedForward:
         if not rows:
             return []
         step = _Step(rows, sizes, self.base_attention, interrupt)
+        if self._native:
+            self._plan_native(step)
         dtype = self.model.dtype
         for row, n_new in zip(rows, sizes, strict=True):
             mask = _row_mask(n_new, row.length + n_new, dtype, self._input_device, self.base_attention)
@@ -312,6 +352,21 @@ class BatchedForward:
             else:
                 result.append(None)
         return result
+
+    def _plan_native(self, step: _Step) -> None:
+        """Give the kernel (once it is loaded) the step's decode rows that track no attention."""
+        step.kernel = decode_kernel.loaded()
+        if step.kernel is None:
+            return
+        tokens: list[int] = []
+        offset = 0
+        for i, (row, n_new) in enumerate(zip(step.rows, step.sizes, strict=True)):
+            if n_new == 1 and row.attention_mass is None:
+                step.native.append(i)
+                tokens.append(offset)
+            offset += n_new
+        if len(step.native) != offset:  # some rows prefill or track attention
+            step.native_tokens = torch.tensor(tokens, dtype=torch.long, device=self._input_device)
 
     def _pack(
         self, segments: Sequence[Segment]
