@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench.measure import percentile, rotate
 from kvstrata.bench.report import BenchTable
+from kvstrata.runtime import release_openmp_threads
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +83,7 @@ def burst(engine: Engine, sessions: list[tuple[str, int]], text: list[int], step
     from kvstrata.engine import GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=steps, ignore_eos=True)
+    release_openmp_threads()  # this thread's torch work since the last burst left it a team
     started = time.perf_counter()
     # stream() starts a request without a prefetch hint: restores are part of what is measured
     streams = [

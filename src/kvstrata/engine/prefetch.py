@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvstrata.errors import KVStrataError
 from kvstrata.priority import Priority
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.store import KVStore
 from kvstrata.store.tiers.base import TierLevel
 
@@ -75,6 +76,7 @@ class Prefetcher:
         return True
 
     def _run(self) -> None:
+        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         while True:
             with self._cond:
                 while not self._heap and not self._closed:

@@ -15,6 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from kvstrata.runtime import single_threaded_torch
+
 log = logging.getLogger(__name__)
 
 Job = Callable[[], None]
@@ -48,6 +50,7 @@ class PriorityWorker:
             return self._cond.wait_for(lambda: self._thread is None, timeout)
 
     def _run(self) -> None:
+        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         while True:
             with self._cond:
                 if not self._heap:

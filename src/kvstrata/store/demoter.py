@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvstrata.config import WritePolicy
 from kvstrata.keys import BlockKey
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
 
@@ -139,6 +140,7 @@ class Demoter:
 
     # -- the thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
+        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         timers = [s for s in self._idle_limits.values() if s is not None]
         # wake up on demand, and often enough that idle timers fire within a quarter of their age
         tick = min([*(s / 4 for s in timers), 5.0])

@@ -17,6 +17,7 @@ from kvstrata.codecs import Codec, CodecId
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
 
@@ -55,6 +56,7 @@ class ReEncoder:
             self._queue.put((key, target, source))
 
     def _loop(self) -> None:
+        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         tiered = self.tiered
         while True:
             item = self._queue.get()

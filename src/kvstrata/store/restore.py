@@ -38,6 +38,7 @@ from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.restore_stream import RETRY, SegmentStream
@@ -68,7 +69,9 @@ class Restorer:
     def executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvstrata-restore")
+                self._pool = ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="kvstrata-restore", initializer=single_threaded_torch
+                )
             return self._pool
 
     def close(self) -> None:

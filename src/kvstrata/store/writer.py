@@ -27,6 +27,7 @@ from typing import Protocol
 
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class BackgroundWriter:
         return stream.commit()
 
     def _run(self) -> None:
+        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         while True:
             batch = self._take_batch()
             if batch is None:
