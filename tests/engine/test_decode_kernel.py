@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from batch_reference import ids, restored, solo_greedy
+from batch_reference import ids, restored, solo_forward, solo_greedy
 
 from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, decode_kernel
 from kvstrata.integrations.transformers.model import tiny_llama
@@ -37,17 +37,24 @@ def kv(heads: int, length: int, dim: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 1, 16), (1, 8, 128), (4, 2, 256)])
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
-def test_kernel_matches_sdpa(kernel: ModuleType, kv_heads: int, group: int, dim: int, length: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa(
+    kernel: ModuleType, kv_heads: int, group: int, dim: int, length: int, dtype: torch.dtype
+) -> None:
+    """In fp32 arithmetic whatever the KV's dtype: against sdpa on the same values in fp32."""
     rows = 3
     query = torch.randn(rows, kv_heads * group, dim, generator=torch.Generator().manual_seed(length))
-    keys = [kv(kv_heads, length + r, dim, 10 * r + 1) for r in range(rows)]
-    values = [kv(kv_heads, length + r, dim, 10 * r + 2) for r in range(rows)]
+    query = query.to(dtype)
+    keys = [kv(kv_heads, length + r, dim, 10 * r + 1).to(dtype) for r in range(rows)]
+    values = [kv(kv_heads, length + r, dim, 10 * r + 2).to(dtype) for r in range(rows)]
     out = decode_kernel.decode_attention(kernel, query, keys, values, 0.125)
-    assert out.shape == (rows, kv_heads * group, dim)
+    assert out.shape == (rows, kv_heads * group, dim) and out.dtype == dtype
     for r in range(rows):
-        grouped = query[r].reshape(1, kv_heads, group, dim)
-        want = F.scaled_dot_product_attention(grouped, keys[r], values[r], scale=0.125)
-        torch.testing.assert_close(out[r], want.reshape(kv_heads * group, dim), atol=1e-5, rtol=1e-5)
+        grouped = query[r].reshape(1, kv_heads, group, dim).float()
+        want = F.scaled_dot_product_attention(grouped, keys[r].float(), values[r].float(), scale=0.125)
+        want = want.reshape(kv_heads * group, dim).to(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(out[r], want, atol=tolerance, rtol=tolerance)
         alone = decode_kernel.decode_attention(
             kernel, query[r : r + 1], keys[r : r + 1], values[r : r + 1], 0.125
         )
@@ -57,8 +64,10 @@ def test_kernel_matches_sdpa(kernel: ModuleType, kv_heads: int, group: int, dim:
 def test_kernel_refuses_what_it_does_not_handle(kernel: ModuleType) -> None:
     query = torch.randn(1, 4, 16)
     keys, values = [kv(2, 5, 16, 1)], [kv(2, 5, 16, 2)]
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
         decode_kernel.decode_attention(kernel, query, [keys[0].bfloat16()], values, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        decode_kernel.decode_attention(kernel, query, [keys[0].half()], [values[0].half()], 1.0)
     with pytest.raises(RuntimeError, match="length"):
         decode_kernel.decode_attention(kernel, query, keys, [kv(2, 6, 16, 3)], 1.0)
     with pytest.raises(RuntimeError, match="one keys"):
@@ -132,7 +141,7 @@ def test_decode_only_steps_match_solo_with_and_without_the_kernel(
     assert len(calls) == (2 * 4 if with_kernel else 0)  # once per layer and step
 
 
-def test_the_kernel_is_only_for_fp32_sdpa_on_cpu_with_shapes_it_takes(
+def test_the_kernel_is_for_fp32_and_bf16_sdpa_on_cpu_with_shapes_it_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     started: list[int] = []
@@ -141,12 +150,13 @@ def test_the_kernel_is_only_for_fp32_sdpa_on_cpu_with_shapes_it_takes(
     sdpa.set_attn_implementation("sdpa")
     assert BatchedForward(sdpa)._native and started == [1]
     assert not BatchedForward(tiny_llama(33, num_layers=1))._native  # eager stays the reference
-    assert not BatchedForward(sdpa.to(torch.bfloat16))._native  # sdpa's bf16 kernel is fast enough
+    assert not BatchedForward(tiny_llama(33, num_layers=1).half(), attention="sdpa")._native
+    assert BatchedForward(sdpa.to(torch.bfloat16))._native and started == [1, 1]
     narrow = tiny_llama(33, num_layers=1, hidden=32, heads=4)  # head_dim 8: not a multiple of 16
     assert not decode_kernel.fits(narrow.config)
     wide_groups = tiny_llama(33, num_layers=1, hidden=256, heads=16, kv_heads=1)  # 16 per group
     assert not decode_kernel.fits(wide_groups.config)
-    assert started == [1]
+    assert started == [1, 1]
 
 
 def test_turning_the_kernel_off_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,3 +174,23 @@ def test_the_ninja_wheel_is_found_without_an_activated_venv(
     monkeypatch.setenv("PATH", str(tmp_path))  # neither the venv's bin nor /usr/bin
     assert decode_kernel._ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+
+
+def test_bf16_decode_rows_through_the_kernel_stay_close_to_solo_bf16(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_llama(34, num_layers=2).to(torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    bf = BatchedForward(model)
+    calls: list[int] = []
+    real = decode_kernel.decode_attention
+    monkeypatch.setattr(decode_kernel, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    histories = [ids(8, 25), ids(9, 3), ids(10, 60)]
+    rows = [BatchRow(restored(model, h)) for h in histories]
+    got = bf.forward([Segment(r, [6]) for r in rows])
+    assert len(calls) == 2  # one call per layer for the three rows
+    for h, g in zip(histories, got, strict=True):
+        assert g is not None
+        want = solo_forward(model, restored(model, h), [6])
+        # bf16 keeps 8 bits of mantissa: packed and single-row matmuls round differently
+        torch.testing.assert_close(g, want, atol=0.05, rtol=0.02)

@@ -218,9 +218,8 @@ def run(
                 attn_implementation=attn,
                 progress=progress,
             )
-            if loaded.model.dtype == torch.float32:  # measure with the native kernel, if it builds here
-                bar.update(task, description="batching: build the native decode-attention kernel")
-                decode_kernel.load()
+            bar.update(task, description="batching: build the native decode-attention kernel")
+            decode_kernel.load()  # measure with it wherever it builds (not with a build running)
             limit = getattr(loaded.model.config, "max_position_embeddings", None)
             if limit is not None and history[1] + steps + chunk > limit:
                 raise ConfigError(

@@ -291,7 +291,7 @@ class BatchedForward:
         self._input_device = model.get_input_embeddings().weight.device
         self._native = (
             base == "sdpa"
-            and model.dtype == torch.float32
+            and model.dtype in (torch.float32, torch.bfloat16)
             and all(device.type == "cpu" for device in layer_devices(model))
             and decode_kernel.fits(model.config)
         )
