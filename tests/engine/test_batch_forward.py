@@ -13,7 +13,11 @@ from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterru
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import tiny_llama
-from kvstrata.integrations.transformers.packed_linear import bf16_packing_available, pack_linears
+from kvstrata.integrations.transformers.packed_linear import (
+    bf16_packing_available,
+    pack_linears,
+    pad_fp32_linears,
+)
 
 ATOL = 1e-4
 
@@ -255,3 +259,20 @@ def test_packed_bf16_linears_give_the_same_logits_bit_for_bit() -> None:
         assert a is not None and b is not None
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert pack_linears(tiny_llama(9, num_layers=2)) == 0  # fp32 weights: left as they are
+
+
+def test_padded_fp32_linears_give_each_row_its_own_result() -> None:
+    model = tiny_llama(10, num_layers=1)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert pad_fp32_linears(model) == linears and pad_fp32_linears(model) == 0  # once
+    layer = model.model.layers[0].mlp.down_proj
+    gen = torch.Generator().manual_seed(3)
+    for rows in [1, 2, 3, 4, 6, 7, 11, 63, 64, 66]:  # 2 and 3 past a multiple of 4 are padded
+        x = torch.randn(1, rows, layer.in_features, generator=gen)
+        got = layer(x)
+        assert got.shape == (1, rows, layer.out_features)
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        flat = layer(x[0])  # (rows, features) too
+        torch.testing.assert_close(flat, want[0], atol=1e-5, rtol=1e-5)
+    assert pad_fp32_linears(tiny_llama(10, num_layers=1).to(torch.bfloat16)) == 0  # bf16: packed instead

@@ -43,7 +43,7 @@ from kvstrata.engine.stepper import Stepper, StepReport
 from kvstrata.engine.worker import PriorityWorker
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
-from kvstrata.integrations.transformers.packed_linear import pack_linears
+from kvstrata.integrations.transformers.packed_linear import pack_linears, pad_fp32_linears
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 from kvstrata.priority import Priority
 from kvstrata.runtime import release_openmp_threads
@@ -124,7 +124,8 @@ class Engine:
         sets every knob of the step scheduler instead (:class:`StepBudget`).
         ``queue_limit``: the most requests waiting (not yet in a row); more get QueueFullError.
         ``attention``: the per-row attention of the batched forward pass, ``sdpa`` or ``eager``.
-        ``pack_weights``: pack the model's bf16 linear weights for oneDNN once (same results,
+        ``pack_weights``: pack the model's bf16 linear weights for oneDNN once, and pad fp32
+        linear layers' inputs of 2 or 3 rows past a multiple of 4 (same results within rounding,
         faster small-batch steps on the CPU; :mod:`kvstrata.integrations.transformers.packed_linear`)."""
         modes = {Priority.parse(p): mode for p, mode in (memory_modes or {}).items()}
         for mode in modes.values():
@@ -139,7 +140,8 @@ class Engine:
         self.model = model
         self.store = store
         if pack_weights:
-            pack_linears(model.model)
+            pack_linears(model.model)  # bf16
+            pad_fp32_linears(model.model)
         self.memory_modes = modes
         self.queue_limit = queue_limit
         self.budget = budget or batch_budget(max_batch, fp32=model.model.dtype == torch.float32)
