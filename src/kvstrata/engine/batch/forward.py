@@ -21,6 +21,8 @@ new tokens); the model builds no mask of its own for an attention implementation
 know. Per row, attention is the model's own implementation (``eager`` or ``sdpa``; with sdpa a
 decode row groups its query heads by KV head, one kernel call), so a row's logits match the
 same request run alone within float rounding (the tests check 1e-4 and equal greedy tokens).
+With sdpa on a CPU, once :mod:`.decode_kernel`'s native kernel is built, the decode rows of a
+layer (one query each, no attention tracking) go to it in one call instead.
 
 Why not transformers' continuous batching (``transformers.generation.continuous_batching``,
 5.24): it is a complete serving loop (``ContinuousBatchingManager`` with its own thread,
