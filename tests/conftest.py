@@ -42,7 +42,7 @@ def native_kernel() -> None:
     steps take the same path in every test, not one that depends on when a background build ends."""
     from kvstrata.engine.batch import decode_kernel
 
-    decode_kernel.load()
+    decode_kernel.load(timeout=600)  # a build takes about half a minute
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ path, its clear refusals, and the conditions under which it stays off."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -23,7 +24,7 @@ def kernel() -> ModuleType:
     module = decode_kernel.load()
     status = decode_kernel.status()
     if module is None:
-        if status.startswith("build failed"):
+        if status.startswith("build failed") or status == "building":  # a broken or hung toolchain
             pytest.fail(f"the kernel did not build: {status}")
         pytest.skip(f"the native kernel is not available here: {status}")
     return module
@@ -194,3 +195,18 @@ def test_bf16_decode_rows_through_the_kernel_stay_close_to_solo_bf16(
         want = solo_forward(model, restored(model, h), [6])
         # bf16 keeps 8 bits of mantissa: packed and single-row matmuls round differently
         torch.testing.assert_close(g, want, atol=0.05, rtol=0.02)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / decode_kernel.NAME / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    decode_kernel._remove_stale_lock()
+    assert lock.exists()  # a build may be running in another process
+    old = time.time() - decode_kernel.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    decode_kernel._remove_stale_lock()
+    assert not lock.exists()

@@ -219,7 +219,7 @@ def run(
                 progress=progress,
             )
             bar.update(task, description="batching: build the native decode-attention kernel")
-            decode_kernel.load()  # measure with it wherever it builds (not with a build running)
+            decode_kernel.load(timeout=600)  # measure with it wherever it builds, not during a build
             limit = getattr(loaded.model.config, "max_position_embeddings", None)
             if limit is not None and history[1] + steps + chunk > limit:
                 raise ConfigError(

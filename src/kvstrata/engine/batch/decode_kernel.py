@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,6 +42,9 @@ NAME = "kvstrata_decode_attention"
 ENV = "KVSTRATA_NATIVE_KERNELS"
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the source's kMaxGroup and kMaxChunks * 16
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a build that was killed (a build takes about half a
+minute): torch's loader would wait for it forever, so it is removed."""
 
 _lock = threading.Lock()
 _built = threading.Event()
@@ -111,6 +115,7 @@ def _build() -> None:
     from torch.utils.cpp_extension import load as load_extension
 
     try:
+        _remove_stale_lock()
         module = load_extension(NAME, [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # a compiler error, a broken toolchain: sdpa keeps working
         log.warning("the native decode-attention kernel failed to build; using sdpa\n%s", exc)
@@ -121,6 +126,19 @@ def _build() -> None:
         _finish(None, "this CPU has no AVX-512")
         return
     _finish(module, "loaded")
+
+
+def _remove_stale_lock() -> None:
+    from torch.utils.cpp_extension import _get_build_directory  # where load() puts its lock
+
+    lock = Path(_get_build_directory(NAME, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _finish(module: ModuleType | None, status: str) -> None:
