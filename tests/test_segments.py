@@ -295,3 +295,33 @@ def test_a_small_decoded_restore_is_read_in_ranges_enough_for_every_decoder() ->
     large = extents(400, 1 << 20)
     assert buffered_chunk_bytes(large) == CHUNK_BYTES
     assert buffered_chunk_bytes(extents(2, 4096)) == MIN_CHUNK_BYTES
+
+
+def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_record_alone() -> None:
+    from kvstrata.keys import BlockKey
+    from kvstrata.store.index.block_rows import Placement
+    from kvstrata.store.tiers.segment_reads import (
+        IN_PLACE_CHUNK_BYTES,
+        Extent,
+        in_place_chunk_bytes,
+        plan_chunks,
+    )
+
+    def extents(count: int, nbytes: int) -> list[Extent]:
+        return [
+            Extent(i, BlockKey(bytes([i % 256]) * 32), Placement(False, nbytes, 0, 64, "seg", i * nbytes))
+            for i in range(count)
+        ]
+
+    paths = {"seg": Path("seg.kvseg")}
+    small = extents(8, 2_949_200)  # a 512-token SmolLM2 restore: one record per range
+    chunks = plan_chunks(small, paths, in_place_chunk_bytes(small), lone_last=True)
+    assert [len(c.extents) for c in chunks] == [1] * 8
+    mid = extents(32, 2_949_200)  # 2,048 tokens: 4 records a range, the last record alone
+    chunks = plan_chunks(mid, paths, in_place_chunk_bytes(mid), lone_last=True)
+    assert [len(c.extents) for c in chunks] == [4] * 7 + [3, 1]
+    assert [e.position for c in chunks for e in c.extents] == list(range(32))
+    assert all(c.end - c.start == sum(e.placement.nbytes for e in c.extents) for c in chunks)
+    large = extents(400, 1 << 20)
+    assert in_place_chunk_bytes(large) == IN_PLACE_CHUNK_BYTES
+    assert len(plan_chunks(large, paths, IN_PLACE_CHUNK_BYTES)[-1].extents) > 1  # lone_last off

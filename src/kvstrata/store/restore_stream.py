@@ -39,10 +39,10 @@ from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.segment_reads import (
     CHUNK_BYTES,
-    IN_PLACE_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     Chunk,
     Extent,
+    in_place_chunk_bytes,
     plan_chunks,
     read_chunks,
 )
@@ -126,8 +126,8 @@ class SegmentStream:
         segments = {e.placement.file_id for e in extents}
         paths = {segment: disk.segment_path(segment) for segment in segments}
         # read in place, a range needs no buffer: larger ranges, fewer gaps between reads
-        chunk_bytes = IN_PLACE_CHUNK_BYTES if exact else buffered_chunk_bytes(extents)
-        chunks = plan_chunks(extents, paths, chunk_bytes)
+        chunk_bytes = in_place_chunk_bytes(extents) if exact else buffered_chunk_bytes(extents)
+        chunks = plan_chunks(extents, paths, chunk_bytes, lone_last=exact)
         scattered: dict[int, _InPlace] = {}
         ready = [threading.Event() for _ in chunks]
 

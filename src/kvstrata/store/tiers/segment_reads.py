@@ -27,8 +27,14 @@ decoding and to stay in the CPU's caches between the kernel's copy and the decod
 MIN_CHUNK_BYTES = 256 << 10
 """The smallest range a restore splits its reads into (a range still holds at least one record)."""
 IN_PLACE_CHUNK_BYTES = 16 << 20
-"""Bytes per read when records go straight into place (no buffer to bound; the fewer reads, the
-fewer gaps in which the disk waits for the next request)."""
+"""At most this many bytes per read when records go straight into place (no buffer to bound; the
+fewer reads, the fewer gaps in which the disk waits for the next request)."""
+IN_PLACE_RANGES = 8
+"""A restore read in place is split into about this many ranges (each at least one record, at most
+``IN_PLACE_CHUNK_BYTES``): the records of a range are checked after it is read, so a few large
+ranges leave most of the checking after the last read. A 512-token SmolLM2 restore (8 records of
+2.9 MB) read as 2 ranges checked 5 records after its first read and 3 after the last (4-5 ms of
+20): as 8 ranges, 0.87x of a raw read of the file instead of 0.79x (alternated, medians of 15)."""
 MAX_GAP = 1 << 20
 """A hole up to this size between two wanted records is read through rather than skipped."""
 
@@ -71,11 +77,25 @@ class Chunk:
         return self.data[begin:end] if end <= len(self.data) else None
 
 
+def in_place_chunk_bytes(extents: Sequence[Extent]) -> int:
+    """Bytes per range for a restore read straight into place: about ``IN_PLACE_RANGES`` ranges,
+    within ``MIN_CHUNK_BYTES`` and ``IN_PLACE_CHUNK_BYTES``."""
+    total = sum(e.placement.nbytes for e in extents)
+    return max(MIN_CHUNK_BYTES, min(IN_PLACE_CHUNK_BYTES, total // IN_PLACE_RANGES))
+
+
 def plan_chunks(
-    extents: Sequence[Extent], paths: dict[str, Path], chunk_bytes: int = CHUNK_BYTES
+    extents: Sequence[Extent],
+    paths: dict[str, Path],
+    chunk_bytes: int = CHUNK_BYTES,
+    *,
+    lone_last: bool = False,
 ) -> list[Chunk]:
     """``extents`` (all in segments) as chunks: per segment in file order, a new chunk wherever
-    the next record would pass ``chunk_bytes`` or lies past a hole larger than ``MAX_GAP``."""
+    the next record would pass ``chunk_bytes`` or lies past a hole larger than ``MAX_GAP``. With
+    ``lone_last``, the very last record is a chunk of its own: what is left to check once the
+    last read returns is one record, not a whole range (2048-token restores: 1.01-1.05x of a raw
+    read against 0.97-1.02x without)."""
     by_segment: dict[str, list[Extent]] = {}
     for extent in extents:
         by_segment.setdefault(extent.placement.file_id, []).append(extent)
@@ -96,6 +116,13 @@ def plan_chunks(
                 continue
             current = Chunk(paths[segment_id], segment_id, extent.offset, end, [extent])
             chunks.append(current)
+    if lone_last and chunks and len(chunks[-1].extents) > 1:
+        last = chunks[-1]
+        *head, tail = last.extents
+        last.extents, last.end = head, head[-1].offset + head[-1].placement.nbytes
+        chunks.append(
+            Chunk(last.path, last.segment_id, tail.offset, tail.offset + tail.placement.nbytes, [tail])
+        )
     return chunks
 
 
