@@ -18,6 +18,7 @@ from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.keys import BlockKey, block_parent, chain_key
 from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
+from kvstrata.store import staging
 from kvstrata.store.block import KVBlock
 from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
@@ -115,7 +116,7 @@ class SessionIO:
     def _put_block(
         self, key: BlockKey, start_pos: int, kv: torch.Tensor, session: Session, recent: bool
     ) -> None:
-        tensor = kv.detach().to(self.layout.torch_dtype).contiguous()
+        tensor = staging.BUFFERS.copy(kv.detach().to(self.layout.torch_dtype))
         self.layout.check_block(tensor)
         self.tiered.put(
             KVBlock(key, int(tensor.shape[3]), start_pos, tensor, namespace=session.namespace),

@@ -1,0 +1,77 @@
+"""The pool of recycled block buffers (kvstrata.store.staging): a buffer is reused only once
+nothing refers to it, never while a block, a view or a caller still holds it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.store import staging
+from kvstrata.store.staging import StagingBuffers
+
+pytestmark = pytest.mark.skipif(staging._USE_COUNT is None, reason="torch exposes no storage use count")
+
+
+def test_a_copy_is_contiguous_equal_and_not_the_source() -> None:
+    pool = StagingBuffers(1 << 20)
+    src = torch.randn(2, 3, 4, 16, 8)[:, :, :, 4:12]
+    copy = pool.copy(src)
+    assert copy.is_contiguous() and torch.equal(copy, src)
+    assert copy.data_ptr() != src.data_ptr()
+    src.add_(1)
+    assert not torch.equal(copy, src)  # the caller's later writes do not reach the copy
+
+
+def test_a_buffer_is_reused_once_released() -> None:
+    pool = StagingBuffers(1 << 20)
+    src = torch.randn(2, 2, 3, 8, 4)
+    first = pool.copy(src)
+    where = first.data_ptr()
+    del first
+    second = pool.copy(src * 2)
+    assert second.data_ptr() == where and pool.reused == 1
+    assert torch.equal(second, src * 2)
+
+
+def test_a_buffer_held_by_a_name_a_view_or_a_container_is_never_reused() -> None:
+    pool = StagingBuffers(1 << 20)
+    src = torch.randn(2, 2, 3, 8, 4)
+    held = pool.copy(src)
+    other = pool.copy(src + 1)
+    assert other.data_ptr() != held.data_ptr()
+    view = other[:, :, :, :4]  # a slice keeps the storage in use
+    kept = [pool.copy(src + 2)]  # a container keeps the tensor itself
+    del other
+    fresh = pool.copy(src + 3)
+    assert fresh.data_ptr() not in {held.data_ptr(), view.data_ptr(), kept[0].data_ptr()}
+    assert pool.reused == 0
+    assert (
+        torch.equal(held, src) and torch.equal(view, (src + 1)[:, :, :, :4]) and torch.equal(kept[0], src + 2)
+    )
+
+
+def test_past_the_budget_copies_go_to_fresh_memory_and_free_buffers_of_other_shapes_make_room() -> None:
+    src = torch.randn(4, 256)  # 4 KiB
+    pool = StagingBuffers(8 << 10)
+    a, b = pool.copy(src), pool.copy(src)
+    c = pool.copy(src)  # over the budget: plain copy, not held
+    assert pool.held_bytes == 8 << 10 and torch.equal(c, src)
+    del a, b
+    wide = pool.copy(torch.randn(8, 256))  # 8 KiB: the two free 4 KiB buffers are dropped for it
+    assert pool.held_bytes == 8 << 10 and wide.shape == (8, 256)
+
+
+def test_append_copies_blocks_into_recycled_buffers(tmp_path) -> None:
+    from kvstrata.bench.stores import bench_config, commit_session, open_store
+    from kvstrata.layout import KVLayout
+
+    layout = KVLayout(2, 2, 8, "float32", 4)
+    kv = torch.randn(2, 2, 2, 32, 8)
+    before = staging.BUFFERS.reused
+    for i in range(2):
+        with open_store(None, tmp_path / f"s{i}", bench_config(0, 0), layout=layout) as store:
+            commit_session(store, list(range(i * 100, i * 100 + 32)), kv)
+    assert staging.BUFFERS.reused > before  # the second checkpoint's blocks reused the first's
+    with open_store(None, tmp_path / "s1", bench_config(0, 0), layout=layout, read_only=True) as store:
+        loaded = store.load(store.session("resumed", "default"))
+        assert loaded.kv is not None and torch.equal(loaded.kv, kv)
