@@ -54,6 +54,8 @@ def test_the_vllm_venv_script_installs_kvstrata_last_and_says_why_it_has_no_deps
     requirement is unmet beside vLLM's pin, by design: so kvstrata must be out of the environment
     while its runtime deps are installed, then go in last with --no-deps (which skips the check)."""
     lines = [line.strip() for line in (ROOT / "scripts" / "make_vllm_venv.sh").read_text().splitlines()]
+    # pip_install: the script's wrapper (retried on a cut-off download) for "$PY" -m pip install
+    lines = [re.sub(r"^pip_install ", '"$PY" -m pip install ', line) for line in lines]
     pip = [(n, line) for n, line in enumerate(lines) if re.search(r"-m pip (install|uninstall)", line)]
     kvstrata_install = [n for n, line in pip if "install -q --no-deps -e ." in line]
     uninstall = [n for n, line in pip if re.search(r"pip uninstall .*\bkvstrata\b", line)]
