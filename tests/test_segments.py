@@ -325,3 +325,25 @@ def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_record_alone
     large = extents(400, 1 << 20)
     assert in_place_chunk_bytes(large) == IN_PLACE_CHUNK_BYTES
     assert len(plan_chunks(large, paths, IN_PLACE_CHUNK_BYTES)[-1].extents) > 1  # lone_last off
+
+
+def test_range_buffers_are_kept_for_the_next_restore_whichever_store_it_serves() -> None:
+    from kvstrata.store import restore_stream as rs
+
+    with rs._kept_lock:
+        saved = list(rs._kept)
+        rs._kept.clear()
+    try:
+        taken = rs._take_buffers(3, 1 << 20)
+        first = [taken.get_nowait() for _ in range(3)]
+        assert all(len(b) == 1 << 20 for b in first)
+        for b in first:
+            taken.put(b)
+        rs._give_back_buffers(taken)
+        again = rs._take_buffers(3, 512 << 10)  # smaller ranges take the kept buffers
+        assert {id(again.get_nowait()) for _ in range(3)} == {id(b) for b in first}
+        rs._give_back_buffers(rs._take_buffers(rs.KEPT_BUFFERS + 2, 2 << 20))  # larger: new ones
+        assert len(rs._kept) == rs.KEPT_BUFFERS and all(len(b) == 2 << 20 for b in rs._kept)
+    finally:
+        with rs._kept_lock:
+            rs._kept[:] = saved
