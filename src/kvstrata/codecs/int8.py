@@ -76,7 +76,8 @@ class Int8Codec:
 
     def decode_into(self, block: EncodedBlock, layout: KVLayout, dest: torch.Tensor) -> None:
         """Decode straight into ``dest`` (a CPU view of the block's shape, head_dim contiguous):
-        into a float32 destination the codes are scaled straight into it, then shifted there
+        once the native decode is loaded (:mod:`kvstrata.codecs._native`), in one pass of C;
+        else, into a float32 destination the codes are scaled straight into it, then shifted there
         (the two operations of :meth:`decode`, so the same bits), with no intermediate tensor
         the size of the block; other dtypes decode, then copy. The product reads the uint8 codes
         as they are: one pass writing the destination, where converting them first took two
