@@ -75,3 +75,13 @@ def test_append_copies_blocks_into_recycled_buffers(tmp_path) -> None:
     with open_store(None, tmp_path / "s1", bench_config(0, 0), layout=layout, read_only=True) as store:
         loaded = store.load(store.session("resumed", "default"))
         assert loaded.kv is not None and torch.equal(loaded.kv, kv)
+
+
+def test_the_buffer_handed_out_longest_ago_is_looked_at_first() -> None:
+    pool = StagingBuffers(1 << 20)
+    src = torch.randn(4, 64)
+    held = [pool.copy(src) for _ in range(10)]
+    oldest = held.pop(0).data_ptr()  # the writer released the first block it got
+    assert pool.copy(src).data_ptr() == oldest and pool.reused == 1
+    held.pop(8)  # the newest released, the 4 oldest still held: not looked for, a new buffer
+    assert pool.copy(src).data_ptr() not in {t.data_ptr() for t in held} and pool.reused == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -47,10 +48,16 @@ def _storage_use_count() -> Callable[[Any], int] | None:
 _USE_COUNT = _storage_use_count()
 
 
+PROBES = 4
+"""Buffers of the wanted shape looked at per copy, oldest handed out first (the writer releases
+blocks in the order they came): a full scan made a 512-block checkpoint quadratic."""
+
+
 class StagingBuffers:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._held: list[torch.Tensor] = []
+        self._rings: dict[tuple[tuple[int, ...], torch.dtype], deque[torch.Tensor]] = {}
+        """Buffers per (shape, dtype), the one handed out longest ago on the left."""
         self._bytes = 0
         self._lock = threading.Lock()
         self.reused = 0
@@ -68,35 +75,48 @@ class StagingBuffers:
 
     def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         with self._lock:
-            for i in range(len(self._held)):
-                if self._held[i].shape == shape and self._held[i].dtype == dtype and self._unused(i):
+            ring = self._rings.setdefault((shape, dtype), deque())
+            for i in range(min(PROBES, len(ring))):
+                if _unused(ring, i):
+                    ring.append(ring[i])  # to the right end: handed out last
+                    del ring[i]
                     self.reused += 1
-                    return self._held[i]
+                    return ring[-1]
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            for i in reversed(range(len(self._held))):  # free buffers of other shapes make room
-                if self._bytes + nbytes <= self.max_bytes:
-                    break
-                if self._unused(i):
-                    self._bytes -= self._held[i].numel() * self._held[i].element_size()
-                    del self._held[i]
+            if self._bytes + nbytes > self.max_bytes:
+                self._drop_free(nbytes, keep=ring)
             if self._bytes + nbytes > self.max_bytes:
                 return None
-            buffer = torch.empty(shape, dtype=dtype)
-            self._held.append(buffer)
+            ring.append(torch.empty(shape, dtype=dtype))
             self._bytes += nbytes
-            return buffer
+            return ring[-1]
 
-    def _unused(self, i: int) -> bool:
-        """Whether nothing but the pool refers to buffer ``i``: 2 references to the tensor (the
-        list, getrefcount's argument) and 2 uses of its memory (the tensor, and the wrapper that
-        ``untyped_storage()`` returns); a view of it would be a third."""
-        return (
-            sys.getrefcount(self._held[i]) == 2 and _USE_COUNT(self._held[i].untyped_storage()._cdata) == 2  # type: ignore[misc]
-        )
+    def _drop_free(self, need: int, keep: deque[torch.Tensor]) -> None:
+        """Drop free buffers of other shapes until ``need`` more bytes fit."""
+        for key, ring in list(self._rings.items()):
+            if ring is keep:
+                continue
+            for i in reversed(range(len(ring))):
+                if self._bytes + need <= self.max_bytes:
+                    return
+                if _unused(ring, i):
+                    self._bytes -= ring[i].numel() * ring[i].element_size()
+                    del ring[i]
+            if not ring:
+                del self._rings[key]
 
     @property
     def held_bytes(self) -> int:
         return self._bytes
+
+
+def _unused(ring: deque[torch.Tensor], i: int) -> bool:
+    """Whether nothing but the pool refers to ``ring[i]``: 2 references to the tensor (the ring,
+    getrefcount's argument) and 2 uses of its memory (the tensor, and the wrapper that
+    ``untyped_storage()`` returns); a view of it would be a third."""
+    return (
+        sys.getrefcount(ring[i]) == 2 and _USE_COUNT(ring[i].untyped_storage()._cdata) == 2  # type: ignore[misc]
+    )
 
 
 BUFFERS = StagingBuffers()
