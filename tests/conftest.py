@@ -44,7 +44,7 @@ def native_kernel() -> None:
     from kvstrata.codecs import _native
     from kvstrata.engine.batch import decode_kernel
 
-    decode_kernel.load(timeout=600)  # a build takes about half a minute
+    decode_kernel.load(timeout=300)  # a build takes about half a minute (pytest's limit: 600 s)
     _native.LIBRARY.load(timeout=300)  # the int8 decode: about a second
 
 

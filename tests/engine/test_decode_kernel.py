@@ -5,7 +5,6 @@ path, its clear refusals, and the conditions under which it stays off."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -197,16 +196,23 @@ def test_bf16_decode_rows_through_the_kernel_stay_close_to_solo_bf16(
         torch.testing.assert_close(g, want, atol=0.05, rtol=0.02)
 
 
-def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / decode_kernel.NAME / "lock"
-    lock.parent.mkdir()
-    lock.touch()
-    decode_kernel._remove_stale_lock()
-    assert lock.exists()  # a build may be running in another process
-    old = time.time() - decode_kernel.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    decode_kernel._remove_stale_lock()
-    assert not lock.exists()
+def test_a_lock_left_by_a_killed_build_is_removed_once_no_build_runs(tmp_path: Path) -> None:
+    import threading
+
+    directory = tmp_path / decode_kernel.NAME
+    directory.mkdir()
+    (directory / "lock").touch()  # torch's lock, left by a build that was killed
+    entered = threading.Event()
+
+    def other_build() -> None:
+        with decode_kernel._builder_lock(directory):
+            entered.set()
+            decode_kernel._clear_left_lock(directory)
+
+    with decode_kernel._builder_lock(directory):  # a build is running: the other one waits
+        thread = threading.Thread(target=other_build)
+        thread.start()
+        assert not entered.wait(0.3)
+        assert (directory / "lock").exists()
+    thread.join(10)
+    assert entered.is_set() and not (directory / "lock").exists()

@@ -24,11 +24,13 @@ rounding (about 1e-7; the exactness tests compare batched with unbatched runs).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -42,9 +44,6 @@ NAME = "kvstrata_decode_attention"
 ENV = "KVSTRATA_NATIVE_KERNELS"
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the source's kMaxGroup and kMaxChunks * 16
-STALE_LOCK_S = 600.0
-"""A build lock older than this was left by a build that was killed (a build takes about half a
-minute): torch's loader would wait for it forever, so it is removed."""
 
 _lock = threading.Lock()
 _built = threading.Event()
@@ -112,11 +111,14 @@ def _ninja_on_path() -> bool:
 
 
 def _build() -> None:
+    from torch.utils.cpp_extension import _get_build_directory  # where load() builds
     from torch.utils.cpp_extension import load as load_extension
 
     try:
-        _remove_stale_lock()
-        module = load_extension(NAME, [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+        directory = Path(_get_build_directory(NAME, False))
+        with _builder_lock(directory):
+            _clear_left_lock(directory)
+            module = load_extension(NAME, [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # a compiler error, a broken toolchain: sdpa keeps working
         log.warning("the native decode-attention kernel failed to build; using sdpa\n%s", exc)
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
@@ -128,16 +130,26 @@ def _build() -> None:
     _finish(module, "loaded")
 
 
-def _remove_stale_lock() -> None:
-    from torch.utils.cpp_extension import _get_build_directory  # where load() puts its lock
+@contextlib.contextmanager
+def _builder_lock(directory: Path) -> Iterator[None]:
+    """kvstrata's own lock around torch's loader, held by one process at a time: an ``flock``,
+    which the kernel releases when its holder dies (torch's own lock is a file that a killed
+    build leaves behind, and its loader then waits for it forever)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / "kvstrata.flock").open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
-    lock = Path(_get_build_directory(NAME, False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+
+def _clear_left_lock(directory: Path) -> None:
+    """Remove torch's build lock, under :func:`_builder_lock`: no kvstrata build is running, so a
+    lock there was left by one that was killed (a test's server stopped mid-build, say)."""
+    lock = directory / "lock"
+    if lock.exists():
+        log.warning("removing %s, left by a kernel build that did not finish", lock)
         lock.unlink(missing_ok=True)
 
 
