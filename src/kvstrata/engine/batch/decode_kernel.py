@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +42,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-NAME = "kvstrata_decode_attention"
+NAME = f"kvstrata_decode_attention_{hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]}"
+"""One build per environment: a build compiles against its environment's torch headers, and two
+environments sharing one build directory (the project's venv and vLLM's) rebuilt it in turn."""
 ENV = "KVSTRATA_NATIVE_KERNELS"
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the source's kMaxGroup and kMaxChunks * 16
