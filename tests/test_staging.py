@@ -85,3 +85,16 @@ def test_the_buffer_handed_out_longest_ago_is_looked_at_first() -> None:
     assert pool.copy(src).data_ptr() == oldest and pool.reused == 1
     held.pop(8)  # the newest released, the 4 oldest still held: not looked for, a new buffer
     assert pool.copy(src).data_ptr() not in {t.data_ptr() for t in held} and pool.reused == 1
+
+
+def test_buffers_serve_callers_in_and_out_of_inference_mode() -> None:
+    pool = StagingBuffers(1 << 20)
+    with torch.inference_mode():
+        src = torch.randn(2, 8)
+        first = pool.copy(src)
+        assert torch.equal(first, src)
+    where = first.data_ptr()
+    del first
+    second = pool.copy(torch.ones(2, 8))  # outside inference mode, into the same buffer
+    assert second.data_ptr() == where and torch.equal(second, torch.ones(2, 8))
+    second.add_(1)  # a normal tensor: the caller may update it

@@ -70,7 +70,10 @@ class StagingBuffers:
         buffer = self._take(tuple(src.shape), src.dtype)
         if buffer is None:
             return src.contiguous()
-        buffer.copy_(src)
+        # the buffers are normal tensors, whichever mode their first user ran in: an inference
+        # tensor could not be written outside inference mode by the next
+        with torch.inference_mode(False), torch.no_grad():
+            buffer.copy_(src)
         return buffer
 
     def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -87,7 +90,8 @@ class StagingBuffers:
                 self._drop_free(nbytes, keep=ring)
             if self._bytes + nbytes > self.max_bytes:
                 return None
-            ring.append(torch.empty(shape, dtype=dtype))
+            with torch.inference_mode(False):
+                ring.append(torch.empty(shape, dtype=dtype))
             self._bytes += nbytes
             return ring[-1]
 
