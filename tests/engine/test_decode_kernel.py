@@ -216,3 +216,15 @@ def test_a_lock_left_by_a_killed_build_is_removed_once_no_build_runs(tmp_path: P
         assert (directory / "lock").exists()
     thread.join(10)
     assert entered.is_set() and not (directory / "lock").exists()
+
+
+def test_clearing_a_left_lock_is_routine_not_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A short CLI command may exit while its background load holds torch's lock: the next one
+    clears it without printing to the user's terminal (CLI commands keep stderr clean)."""
+    (tmp_path / "lock").touch()
+    with caplog.at_level("INFO", logger=decode_kernel.__name__):
+        decode_kernel._clear_left_lock(tmp_path)
+    assert not (tmp_path / "lock").exists()
+    assert [r.levelname for r in caplog.records] == ["INFO"]

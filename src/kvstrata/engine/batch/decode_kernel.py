@@ -150,10 +150,13 @@ def _builder_lock(directory: Path) -> Iterator[None]:
 
 def _clear_left_lock(directory: Path) -> None:
     """Remove torch's build lock, under :func:`_builder_lock`: no kvstrata build is running, so a
-    lock there was left by one that was killed (a test's server stopped mid-build, say)."""
+    lock there was left by a process that exited or was killed while loading (a CLI command that
+    ended, a test's server stopped mid-build)."""
     lock = directory / "lock"
     if lock.exists():
-        log.warning("removing %s, left by a kernel build that did not finish", lock)
+        # routine, not a warning: torch's loader takes that lock even to find a build up to date,
+        # and a short command (a `kvstrata chat` turn) may exit while its background load holds it
+        log.info("removing %s, left by a kernel load that did not finish", lock)
         lock.unlink(missing_ok=True)
 
 
