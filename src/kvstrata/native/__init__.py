@@ -10,9 +10,10 @@ without the instructions a helper needs, or with ``KVSTRATA_NATIVE_KERNELS=0``, 
 path stays, and the helper's ``status()`` says why.
 
 The batched decode-attention kernel (:mod:`kvstrata.engine.batch.decode_kernel`) is a torch C++
-extension instead: it takes lists of tensors, which ``ctypes`` does not.
+extension instead (it takes lists of tensors, which ``ctypes`` does not), built in the background
+the same way (:class:`BackgroundBuild`).
 """
 
-from kvstrata.native.library import ENV, NativeLibrary
+from kvstrata.native.library import ENV, BackgroundBuild, NativeLibrary
 
-__all__ = ["ENV", "NativeLibrary"]
+__all__ = ["ENV", "BackgroundBuild", "NativeLibrary"]

@@ -12,6 +12,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import platformdirs
 
@@ -21,6 +22,7 @@ ENV = "KVSTRATA_NATIVE_KERNELS"
 """``0`` turns every native helper off (the pure-torch paths stay)."""
 CACHE_ENV = "KVSTRATA_NATIVE_CACHE"
 BUILD_TIMEOUT_S = 300.0
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -28,7 +30,64 @@ def cache_dir() -> Path:
     return Path(override) if override else Path(platformdirs.user_cache_dir("kvstrata")) / "native"
 
 
-class NativeLibrary:
+class BackgroundBuild(Generic[T]):
+    """Something built (or found built) once per process, in a background thread, while the
+    caller goes on without it: ``unavailable`` says why it cannot be (None: go ahead), ``make``
+    builds it and returns it with its status, or None with the reason."""
+
+    def __init__(
+        self,
+        label: str,
+        unavailable: Callable[[], str | None],
+        make: Callable[[], tuple[T | None, str]],
+    ) -> None:
+        self.label, self._unavailable_reason, self._make = label, unavailable, make
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._result: T | None = None
+        self._status = "not built"
+
+    def loaded(self) -> T | None:
+        """The built thing once loaded, else None (never blocks)."""
+        return self._result
+
+    def status(self) -> str:
+        """``loaded``, ``building``, ``not built``, or why it is not used."""
+        return self._status
+
+    def start(self) -> None:
+        """Build and load in a background thread, once per process (no-op after)."""
+        with self._lock:
+            if self._thread is not None or self._done.is_set():
+                return
+            reason = self._unavailable_reason()
+            if reason is not None:
+                self._finish(None, reason)
+                return
+            self._status = "building"
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvstrata-build-{self.label}", daemon=True
+            )
+            self._thread.start()
+
+    def load(self, timeout: float | None = None) -> T | None:
+        """Build and load now, waiting at most ``timeout`` seconds; None if unavailable."""
+        self.start()
+        self._done.wait(timeout)
+        return self._result
+
+    def _run(self) -> None:
+        result, status = self._make()
+        self._finish(result, status)
+
+    def _finish(self, result: T | None, status: str) -> None:
+        self._result, self._status = result, status
+        self._done.set()
+        log.info("native %s: %s", self.label, status)
+
+
+class NativeLibrary(BackgroundBuild[ctypes.CDLL]):
     """``source`` (C) built with ``flags`` into ``<cache>/<name>-<hash>.so``; ``setup`` declares
     the functions' ctypes signatures and returns None when the library can serve, else why not
     (for example, the CPU lacks the instructions)."""
@@ -40,41 +99,8 @@ class NativeLibrary:
         flags: list[str],
         setup: Callable[[ctypes.CDLL], str | None],
     ) -> None:
+        super().__init__(name, self._unavailable, self._build)
         self.name, self.source, self.flags, self._setup = name, source, flags, setup
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lib: ctypes.CDLL | None = None
-        self._status = "not built"
-
-    def loaded(self) -> ctypes.CDLL | None:
-        """The library once built and loaded, else None (never blocks)."""
-        return self._lib
-
-    def status(self) -> str:
-        """``loaded``, ``building``, ``not built``, or why it is not used."""
-        return self._status
-
-    def start(self) -> None:
-        """Build (or find in the cache) and load the library in a background thread, once."""
-        with self._lock:
-            if self._thread is not None or self._done.is_set():
-                return
-            reason = self._unavailable()
-            if reason is not None:
-                self._finish(None, reason)
-                return
-            self._status = "building"
-            self._thread = threading.Thread(
-                target=self._build, name=f"kvstrata-build-{self.name}", daemon=True
-            )
-            self._thread.start()
-
-    def load(self, timeout: float | None = None) -> ctypes.CDLL | None:
-        """Build and load now, waiting at most ``timeout`` seconds; None if unavailable."""
-        self.start()
-        self._done.wait(timeout)
-        return self._lib
 
     def _unavailable(self) -> str | None:
         if os.environ.get(ENV, "1") == "0":
@@ -96,7 +122,7 @@ class NativeLibrary:
         digest.update(" ".join([self._compiler(), *self.flags]).encode())
         return cache_dir() / f"{self.name}-{digest.hexdigest()[:16]}.so"
 
-    def _build(self) -> None:
+    def _build(self) -> tuple[ctypes.CDLL | None, str]:
         try:
             target = self.path()
             if not target.is_file():
@@ -106,9 +132,8 @@ class NativeLibrary:
         except Exception as exc:  # a compiler error, a broken toolchain: the torch path stays
             log.warning("native helper %s could not be built; using torch\n%s", self.name, exc)
             lines = [line for line in str(exc).splitlines() if "error" in line.lower()]
-            self._finish(None, f"build failed: {(lines or [type(exc).__name__])[0].strip()}")
-            return
-        self._finish(lib if reason is None else None, reason or "loaded")
+            return None, f"build failed: {(lines or [type(exc).__name__])[0].strip()}"
+        return (lib, "loaded") if reason is None else (None, reason)
 
     def _compile(self, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -122,8 +147,3 @@ class NativeLibrary:
             os.replace(tmp, target)  # atomic: a concurrent build of the same library just wins
         finally:
             Path(tmp).unlink(missing_ok=True)
-
-    def _finish(self, lib: ctypes.CDLL | None, status: str) -> None:
-        self._lib, self._status = lib, status
-        self._done.set()
-        log.info("native helper %s: %s", self.name, status)

@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -39,53 +38,36 @@ from typing import Any
 
 import torch
 
+from kvstrata.native import ENV, BackgroundBuild
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 NAME = f"kvstrata_decode_attention_{hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]}"
 """One build per environment: a build compiles against its environment's torch headers, and two
 environments sharing one build directory (the project's venv and vLLM's) rebuilt it in turn."""
-ENV = "KVSTRATA_NATIVE_KERNELS"
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
 MAX_GROUP, MAX_HEAD_DIM = 8, 256  # the source's kMaxGroup and kMaxChunks * 16
-
-_lock = threading.Lock()
-_built = threading.Event()
-_module: ModuleType | None = None
-_status = "not built"
-_builder: threading.Thread | None = None
 
 
 def loaded() -> ModuleType | None:
     """The kernel's module once it is built and loaded, else None (never blocks)."""
-    return _module
+    return _KERNEL.loaded()
 
 
 def status() -> str:
     """``loaded``, ``building``, ``not built``, or why the kernel is not used."""
-    return _status
+    return _KERNEL.status()
 
 
 def start() -> None:
     """Build and load the kernel in a background thread (once per process; no-op after)."""
-    global _builder, _status
-    with _lock:
-        if _builder is not None or _built.is_set():
-            return
-        reason = _unavailable()
-        if reason is not None:
-            _finish(None, reason)
-            return
-        _status = "building"
-        _builder = threading.Thread(target=_build, name="kvstrata-kernel-build", daemon=True)
-        _builder.start()
+    _KERNEL.start()
 
 
 def load(timeout: float | None = None) -> ModuleType | None:
     """Build and load the kernel now (waiting at most ``timeout`` seconds); None if unavailable."""
-    start()
-    _built.wait(timeout)
-    return _module
+    return _KERNEL.load(timeout)
 
 
 def _unavailable() -> str | None:
@@ -114,7 +96,7 @@ def _ninja_on_path() -> bool:
     return shutil.which("ninja") is not None
 
 
-def _build() -> None:
+def _build() -> tuple[ModuleType | None, str]:
     from torch.utils.cpp_extension import _get_build_directory  # where load() builds
     from torch.utils.cpp_extension import load as load_extension
 
@@ -126,12 +108,10 @@ def _build() -> None:
     except Exception as exc:  # a compiler error, a broken toolchain: sdpa keeps working
         log.warning("the native decode-attention kernel failed to build; using sdpa\n%s", exc)
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
-        _finish(None, f"build failed: {(errors or [type(exc).__name__])[0].strip()}")
-        return
+        return None, f"build failed: {(errors or [type(exc).__name__])[0].strip()}"
     if not module.supported():
-        _finish(None, "this CPU has no AVX-512")
-        return
-    _finish(module, "loaded")
+        return None, "this CPU has no AVX-512"
+    return module, "loaded"
 
 
 @contextlib.contextmanager
@@ -160,11 +140,9 @@ def _clear_left_lock(directory: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _finish(module: ModuleType | None, status: str) -> None:
-    global _module, _status
-    _module, _status = module, status
-    _built.set()
-    log.info("native decode-attention kernel: %s", status)
+_KERNEL: BackgroundBuild[ModuleType] = BackgroundBuild(
+    "decode-attention kernel", lambda: _unavailable(), lambda: _build()
+)
 
 
 def fits(config: Any) -> bool:
