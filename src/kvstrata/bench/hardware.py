@@ -131,12 +131,10 @@ def memcpy_s(src: torch.Tensor, dst: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def overwrite_fsync(path: Path, data: Any) -> None:
-    """Write ``data`` over the start of ``path`` (created once, kept) and fsync it: disk writes
-    without allocating or freeing blocks (a file removed just before a timed write frees its
-    blocks in the journal commit the timed write then waits for)."""
+def _write_fsync(path: Path, data: Any, flags: int) -> None:
+    """``data`` written from the start of ``path`` (opened with ``flags``), then fsynced."""
     view = memoryview(data).cast("B")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
     try:
         offset = 0
         while offset < len(view):
@@ -146,19 +144,18 @@ def overwrite_fsync(path: Path, data: Any) -> None:
         os.close(fd)
 
 
+def overwrite_fsync(path: Path, data: Any) -> None:
+    """Write ``data`` over the start of ``path`` (created once, kept) and fsync it: disk writes
+    without allocating or freeing blocks (a file removed just before a timed write frees its
+    blocks in the journal commit the timed write then waits for)."""
+    _write_fsync(path, data, 0)
+
+
 def write_fsync_s(path: Path, data: Any) -> float:
     """Seconds to write ``data`` (a bytes-like object) to a new file ``path`` and fsync it: a plain
     durable write of the same bytes. ``path`` is removed afterwards (outside the timing)."""
-    view = memoryview(data).cast("B")
     started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        offset = 0
-        while offset < len(view):
-            offset += os.write(fd, view[offset : offset + READ_CHUNK_BYTES])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_fsync(path, data, os.O_TRUNC)
     elapsed = time.perf_counter() - started
     path.unlink()
     return elapsed
