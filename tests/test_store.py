@@ -269,6 +269,39 @@ def test_missing_file_is_lost_not_a_crash(open_store: Factory, tmp_path: Path) -
     assert reopened.disk.lost == set(sharing)
 
 
+def test_a_write_that_ends_an_outage_ends_it_before_the_flush_waiting_for_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkpoint after the disk came back must not find the outage it ended still reported:
+    the writer ends the outage before it wakes the flush, whatever its per-block bookkeeping costs
+    (made slow here; before, the flush could return first, and the test above failed 1 run in 5)."""
+    from kvstrata.store.writer import BackgroundWriter
+
+    disk_full = True
+
+    def write_many(blocks: list[KVBlock]) -> list[Exception | None]:
+        return [OSError(errno.ENOSPC, "full") if disk_full else None for _ in blocks]
+
+    writer = BackgroundWriter(write_many=write_many)
+    finished = writer._finished
+
+    def slow_finished(block: KVBlock, size: int, error: Exception | None) -> None:
+        time.sleep(0.2)
+        finished(block, size, error)
+
+    monkeypatch.setattr(writer, "_finished", slow_finished)
+    try:
+        writer.submit(make_block(LAYOUT, 0))
+        assert writer.flush(timeout=10)
+        assert writer.outage is not None
+        disk_full = False
+        writer.submit(make_block(LAYOUT, 1))
+        assert writer.flush(timeout=10)
+        assert writer.outage is None
+    finally:
+        writer.close()
+
+
 def test_disk_full_is_reported_once_and_writing_resumes(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -224,6 +224,9 @@ class BackgroundWriter:
                     # a grown batch may hold two versions of one key (a block and its re-encode)
                     self._inflight.pop(block.key, None)
                     self._queued_bytes -= size
+                # before a flush waiting for these blocks returns: a checkpoint that succeeded
+                # must not find the outage it just ended still reported
+                self._track_outage(errors)
                 self._cond.notify_all()
             for block, size, error in zip(batch, sizes, errors, strict=True):
                 self._finished(block, size, error)
@@ -233,20 +236,25 @@ class BackgroundWriter:
                 if sleep_s > 0:
                     time.sleep(sleep_s)
 
+    def _track_outage(self, errors: list[Exception | None]) -> None:
+        """Block by block: a written one ends the outage, a failed one starts it (reported once)."""
+        for error in errors:
+            if error is None:
+                if self.outage is not None:
+                    log.warning("background writes resumed after: %s", self.outage)
+                    self.outage = None
+            elif self.outage is None:
+                self.outage = str(error)
+                log.error("background write failed, keeping blocks in memory: %s", error)
+
     def _finished(self, block: KVBlock, size: int, error: Exception | None) -> None:
         if error is None:
-            if self.outage is not None:
-                log.warning("background writes resumed after: %s", self.outage)
-                self.outage = None
             self.written_blocks += 1
             self.written_bytes += size
             if self._on_done:
                 self._on_done(block)
             return
         self.failures += 1
-        if self.outage is None:
-            self.outage = str(error)
-            log.error("background write failed, keeping blocks in memory: %s", error)
         if self._on_failure:
             self._on_failure(block, error)
 
