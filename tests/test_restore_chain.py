@@ -4,6 +4,7 @@ by block (``Restorer.read_into``, the per-block path) records."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,3 +164,25 @@ def test_touch_many_records_what_touch_does_and_the_namespace() -> None:
     assert seen(batched) == seen(single)
     assert [s[3] for s in seen(batched)] == [None, "tenant", None, "known"]
     assert [s[2] for s in seen(batched)] == ["realtime", "interactive", "interactive", "interactive"]
+
+
+def test_a_chain_in_memory_is_copied_by_several_threads_the_same(
+    open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large restore from memory is shared between the caller and the pool (one thread copies
+    at about half the memory's bandwidth): the same bytes, the same accounting."""
+    from kvstrata.store import restore as restore_module
+
+    monkeypatch.setattr(restore_module, "COPY_THREADS", 3)
+    monkeypatch.setattr(restore_module, "COPY_PART_BYTES", 1)  # any restore counts as large
+    threads: set[str] = set()
+    copy_hit = restore_module.Restorer._copy_hit
+
+    def spy(self: restore_module.Restorer, *args: object) -> None:
+        threads.add(threading.current_thread().name)
+        copy_hit(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(restore_module.Restorer, "_copy_hit", spy)
+    got = _restore_matches_the_per_block_path(open_store, tmp_path)
+    assert threading.current_thread().name in threads and len(threads) >= 2  # the pool took parts
+    assert got["record"]["counters"]["L2"] == (PLACES.count("2"), 0, PLACES.count("2"), 0)
