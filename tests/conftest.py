@@ -38,14 +38,16 @@ def token_kv(layout: KVLayout, token_ids: list[int], start_pos: int = 0) -> torc
 
 @pytest.fixture(scope="session", autouse=True)
 def native_kernel() -> None:
-    """Build (or load) the native decode-attention kernel and the int8 decode before the first test,
-    so that fp32 sdpa steps and int8 decodes take the same path in every test, not one that depends
-    on when a background build ends."""
+    """Build (or load) the native decode-attention kernel, the int8 decode and the CRC32C of
+    in-place restores before the first test, so that fp32 sdpa steps, int8 decodes and restores
+    take the same path in every test, not one that depends on when a background build ends."""
     from kvstrata.codecs import _native
     from kvstrata.engine.batch import decode_kernel
+    from kvstrata.store import _native_crc
 
     decode_kernel.load(timeout=300)  # a build takes about half a minute (pytest's limit: 600 s)
     _native.LIBRARY.load(timeout=300)  # the int8 decode: about a second
+    _native_crc.LIBRARY.load(timeout=300)  # the in-place restores' CRC32C: about a second
 
 
 @pytest.fixture

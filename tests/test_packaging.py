@@ -64,3 +64,16 @@ def test_the_vllm_venv_script_installs_kvstrata_last_and_says_why_it_has_no_deps
     assert uninstall[0] < min(n for n in installs_with_deps if n > uninstall[0])
     assert max(installs_with_deps) < kvstrata_install[0], "an install after kvstrata's re-checks it"
     assert any(line.startswith("echo") and "--no-deps" in line for line in lines[kvstrata_install[0] :])
+
+
+def test_every_native_source_ships_in_the_wheel() -> None:
+    """The native helpers compile their C/C++ source on the user's machine: each one must be
+    package data, or an installed kvstrata falls back to torch for good ("its source is missing")."""
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    src = ROOT / "src"
+    sources = [p for pattern in ("*.c", "*.cpp") for p in (src / "kvstrata").rglob(pattern)]
+    assert sources
+    for source in sources:
+        package = ".".join(source.parent.relative_to(src).parts)
+        patterns = package_data.get(package, [])
+        assert any(source.match(pattern) for pattern in patterns), f"{source} is not in package-data"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import crc32c
+import numpy as np
 import torch
 
 from kvstrata.codecs import CodecId
@@ -33,6 +34,7 @@ from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
+from kvstrata.store._native_crc import crc32c_runs
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
@@ -57,6 +59,9 @@ class _InPlace:
     header: memoryview
     runs: list[memoryview]
     trailer: memoryview
+    address: int
+    """Where its first run starts in memory (the runs lie at ``address + rows[i]``)."""
+    rows: np.ndarray
 
 
 if TYPE_CHECKING:
@@ -133,26 +138,21 @@ class SegmentStream:
         chunk_bytes = in_place_chunk_bytes(extents) if exact else buffered_chunk_bytes(extents)
         chunks = plan_chunks(extents, paths, chunk_bytes, lone_last=exact)
         scattered: dict[int, _InPlace] = {}
-        ready = [threading.Event() for _ in chunks]
-
-        def prepare() -> None:
-            """Scatter lists for every chunk but the first, ahead of the reader (in the verifier's
-            thread, so the reader's time goes to reading; it waits only if it catches up)."""
-            try:
-                for chunk, event in zip(chunks[1:], ready[1:], strict=True):
-                    scattered.update(self._scatter(chunk, rows, per_token, flat))
-                    event.set()
-            finally:
-                for event in ready:
-                    event.set()
-
         if scatter:
-            flat = memoryview(host_array(buffer).reshape(-1)).cast("B")
+            array = host_array(buffer).reshape(-1)
+            flat = memoryview(array).cast("B")
             two, layers, heads, capacity, dim = buffer.shape
             per_token = dim * buffer.element_size()  # bytes of one token in one row (K/V, layer, head)
-            rows = [row * capacity * per_token for row in range(two * layers * heads)]
-            scattered.update(self._scatter(chunks[0], rows, per_token, flat))
-        ready[0].set()
+            rows = np.arange(two * layers * heads, dtype=np.int64) * (capacity * per_token)
+            address = array.ctypes.data
+
+        def before(i: int) -> None:
+            """A chunk's scatter list, made by the reader just before its read (tens of
+            microseconds a record; made ahead in the verifier's thread, it held the GIL that the
+            reader needed back after its first read)."""
+            if scatter:
+                scattered.update(self._scatter(chunks[i], rows, per_token, flat, address))
+
         buffers = _take_buffers(0 if exact else STREAM_BUFFERS, max(c.end - c.start for c in chunks))
         results: dict[int, object] = {}
 
@@ -179,9 +179,7 @@ class SegmentStream:
                 with torch.inference_mode(inference):  # a promotion copies into a tier's tensors
                     results.update(self.restorer.account_hits(hits, buffer, priority, started))
 
-        def verifier(first: bool) -> None:
-            if scatter and first:
-                prepare()
+        def verifier() -> None:
             while (chunk := todo.get()) is not None:
                 try:
                     decode(chunk)
@@ -194,9 +192,9 @@ class SegmentStream:
         # reads, so the reader gets the GIL back at once when its preadv returns (more verifiers
         # only contend for it). Records to decode (int8, KIVI...) cost more than their read: two.
         count = 1 if exact else _DECODERS
-        workers = [self.restorer.executor().submit(verifier, i == 0) for i in range(count)]
+        workers = [self.restorer.executor().submit(verifier) for _ in range(count)]
         try:
-            for chunk, error in read_chunks(chunks, buffers, before=lambda i: ready[i].wait()):
+            for chunk, error in read_chunks(chunks, buffers, before=before):
                 if error is not None:  # gone (compacted, removed) or unreadable: the per-block path decides
                     results.update((e.position, RETRY) for e in chunk.extents)
                     continue
@@ -243,7 +241,7 @@ class SegmentStream:
         )
 
     def _scatter(
-        self, chunk: Chunk, rows: list[int], per_token: int, flat: memoryview
+        self, chunk: Chunk, rows: np.ndarray, per_token: int, flat: memoryview, address: int
     ) -> dict[int, _InPlace]:
         """Give ``chunk`` a scatter list when every record in it is exact (identity codec, no
         params): each record's payload runs (one per K/V, layer and head: ``rows`` are their
@@ -276,11 +274,11 @@ class SegmentStream:
             used += framing
             run = extent.placement.num_tokens * per_token
             first = extent.position * bt * per_token
-            runs = [flat[first + row : first + row + run] for row in rows]
+            runs = [flat[first + row : first + row + run] for row in rows.tolist()]
             iov.append(header)
             iov += runs
             iov.append(trailer)
-            where[extent.position] = _InPlace(header, runs, trailer)
+            where[extent.position] = _InPlace(header, runs, trailer, address + first, rows)
             at = extent.offset + extent.placement.nbytes
         chunk.scatter = iov
         return where
@@ -297,8 +295,12 @@ class SegmentStream:
         except CorruptBlockError:
             return None
         crc = crc32c.crc32c(where.header)
-        for run in where.runs:  # the GIL released for every run, small ones too: the reader waits less
-            crc = crc32c.crc32c(run, crc, _RELEASE_GIL)
+        native = crc32c_runs(crc, where.address, where.rows, len(where.runs[0])) if where.runs else None
+        if native is not None:
+            crc = native
+        else:
+            for run in where.runs:  # the GIL released for every run, small ones too: the reader waits less
+                crc = crc32c.crc32c(run, crc, _RELEASE_GIL)
         if (
             header.key != extent.key
             or header.layout_fingerprint != restorer.layout.fingerprint

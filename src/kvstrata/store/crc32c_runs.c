@@ -1,0 +1,153 @@
+/* CRC32C over many runs of one buffer in one call: the check of a record read straight into place.
+ *
+ * A record read into its slices of a restore buffer lands as one run per K/V, layer and head
+ * (16 KiB each for SmolLM2's 64-token blocks). Checked run by run from Python, each call pays its
+ * overhead and, to let the reader thread run, a release of the GIL: 5.2 GB/s here against 9.4 for
+ * one call over a contiguous buffer. Here every run of a record is one call (ctypes releases the GIL
+ * once), with three independent CRC streams interleaved to hide the instruction's latency, their
+ * results combined by shifting through zeros.
+ *
+ * The three-stream method and its zero-shift tables follow Mark Adler's crc32c.c (zlib licence,
+ * https://stackoverflow.com/a/17646775). Same value as the `crc32c` package's crc32c(data, crc):
+ * `crc` is a previous result (0 to start), the result is final (inverted). */
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+
+#define POLY 0x82f63b78u
+#define LONG 8192
+#define SHORT 256
+
+static uint32_t gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_matrix_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_matrix_times(mat, mat[n]);
+}
+
+/* The operator that appends len (a power of two) zero bytes to a crc. */
+static void zeros_op(uint32_t *even, size_t len) {
+    uint32_t odd[32];
+    uint32_t row = 1;
+    odd[0] = POLY; /* one zero bit */
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_matrix_square(even, odd); /* two zero bits */
+    gf2_matrix_square(odd, even); /* four zero bits */
+    do {                          /* one zero byte in even first, then doubling */
+        gf2_matrix_square(even, odd);
+        len >>= 1;
+        if (len == 0) return;
+        gf2_matrix_square(odd, even);
+        len >>= 1;
+    } while (len);
+    for (int n = 0; n < 32; n++) even[n] = odd[n];
+}
+
+static void zeros_table(uint32_t zeros[][256], size_t len) {
+    uint32_t op[32];
+    zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_matrix_times(op, n);
+        zeros[1][n] = gf2_matrix_times(op, n << 8);
+        zeros[2][n] = gf2_matrix_times(op, n << 16);
+        zeros[3][n] = gf2_matrix_times(op, n << 24);
+    }
+}
+
+static uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^
+           zeros[3][crc >> 24];
+}
+
+static uint32_t long_zeros[4][256], short_zeros[4][256];
+static int tables_ready = 0;
+
+int kvs_crc32c_supported(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("sse4.2")) return 0;
+    if (!tables_ready) { /* called once, from the loader, before any kvs_crc32c_runs */
+        zeros_table(long_zeros, LONG);
+        zeros_table(short_zeros, SHORT);
+        tables_ready = 1;
+    }
+    return 1;
+}
+
+/* crc is the raw (not inverted) running value. */
+__attribute__((target("sse4.2"))) static uint64_t crc_raw(uint64_t crc0, const unsigned char *next,
+                                                           size_t len) {
+    while (len && ((uintptr_t)next & 7) != 0) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    while (len >= 3 * LONG) {
+        uint64_t crc1 = 0, crc2 = 0;
+        const unsigned char *end = next + LONG;
+        do {
+            crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)next);
+            crc1 = _mm_crc32_u64(crc1, *(const uint64_t *)(next + LONG));
+            crc2 = _mm_crc32_u64(crc2, *(const uint64_t *)(next + 2 * LONG));
+            next += 8;
+        } while (next < end);
+        crc0 = shift(long_zeros, (uint32_t)crc0) ^ crc1;
+        crc0 = shift(long_zeros, (uint32_t)crc0) ^ crc2;
+        next += 2 * LONG;
+        len -= 3 * LONG;
+    }
+    while (len >= 3 * SHORT) {
+        uint64_t crc1 = 0, crc2 = 0;
+        const unsigned char *end = next + SHORT;
+        do {
+            crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)next);
+            crc1 = _mm_crc32_u64(crc1, *(const uint64_t *)(next + SHORT));
+            crc2 = _mm_crc32_u64(crc2, *(const uint64_t *)(next + 2 * SHORT));
+            next += 8;
+        } while (next < end);
+        crc0 = shift(short_zeros, (uint32_t)crc0) ^ crc1;
+        crc0 = shift(short_zeros, (uint32_t)crc0) ^ crc2;
+        next += 2 * SHORT;
+        len -= 3 * SHORT;
+    }
+    while (len >= 8) {
+        crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)next);
+        next += 8;
+        len -= 8;
+    }
+    while (len) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    return crc0;
+}
+
+/* The CRC32C of `count` runs of `run` bytes at base + offsets[i], in order, continuing `crc`. */
+uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t *offsets, int64_t count,
+                         int64_t run) {
+    uint64_t raw = crc ^ 0xffffffffu;
+    for (int64_t i = 0; i < count; i++) raw = crc_raw(raw, base + offsets[i], (size_t)run);
+    return (uint32_t)raw ^ 0xffffffffu;
+}
+
+#else
+
+int kvs_crc32c_supported(void) { return 0; }
+
+uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t *offsets, int64_t count,
+                         int64_t run) {
+    (void)base, (void)offsets, (void)count, (void)run;
+    return crc;
+}
+
+#endif

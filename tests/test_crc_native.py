@@ -1,0 +1,93 @@
+"""Issue 14: the CRC32C of a record read straight into place, in one native call
+(``kvstrata/store/crc32c_runs.c``): the same value as the ``crc32c`` package for any runs, and a
+restore checks its records with it, or with the package when it is not loaded, damage found either
+way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from kvstrata import KVStore
+from kvstrata.native import ENV
+from kvstrata.native.library import NativeLibrary
+from kvstrata.store import _native_crc, restore_stream
+from kvstrata.store.kvbin import HEADER_BYTES
+
+from conftest import LAYOUT, token_kv
+from stored import flip_byte
+
+Factory = Callable[..., KVStore]
+
+
+def _lib() -> object:
+    lib = _native_crc.LIBRARY.load(timeout=120)
+    if lib is None:
+        pytest.skip(f"native CRC32C not available here: {_native_crc.LIBRARY.status()}")
+    return lib
+
+
+def _package(crc: int, data: np.ndarray, offsets: np.ndarray, run: int) -> int:
+    view = memoryview(data)
+    for offset in offsets.tolist():
+        crc = crc32c.crc32c(view[offset : offset + run], crc)
+    return crc
+
+
+@pytest.mark.parametrize("run", [1, 7, 8, 255, 769, 16384, 3 * 8192 + 13, 70001])
+def test_runs_give_the_crc32c_packages_value(run: int) -> None:
+    _lib()
+    rng = np.random.default_rng(run)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for _ in range(20):
+        count = int(rng.integers(1, 12))
+        offsets = rng.integers(0, len(data) - run, count).astype(np.int64)  # any alignment, any order
+        start = int(rng.integers(0, 1 << 32))
+        got = _native_crc.crc32c_runs(start, data.ctypes.data, offsets, run)
+        assert got == _package(start, data, offsets, run)
+
+
+def test_offsets_must_be_contiguous_int64() -> None:
+    _lib()
+    data = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="int64"):
+        _native_crc.crc32c_runs(0, data.ctypes.data, np.array([0, 8], dtype=np.int32), 8)
+
+
+def test_turned_off_it_is_not_built_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "0")
+    library = NativeLibrary("crc32c_runs", _native_crc.LIBRARY.source, ["-O3"], _native_crc._setup)
+    assert library.load(timeout=30) is None and "turned off" in library.status()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "package"])
+def test_an_in_place_restore_checks_every_record_and_finds_damage(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    if native:
+        _lib()
+    calls: list[int] = []
+    checker = _native_crc.crc32c_runs
+
+    def counted(*args: object) -> int | None:
+        calls.append(1)
+        return checker(*args) if native else None  # type: ignore[arg-type]
+
+    monkeypatch.setattr(restore_stream, "crc32c_runs", counted)
+    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    session = store.create_session("s")
+    tokens = list(range(6 * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.checkpoint(session)
+    loaded = store.load(store.session("s"))
+    assert loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+    assert len(calls) == 6  # every record was checked in place
+
+    flip_byte(store, session.block_keys[4], at=HEADER_BYTES + LAYOUT.bytes_per_block // 2)  # in a run
+    damaged = store.load(store.session("s"))
+    assert damaged.missing_from_token == 4 * LAYOUT.block_tokens  # the chain stops at the damage
+    assert store.counters.corrupt_blocks == 1
