@@ -23,8 +23,9 @@ The raw hardware, the same bytes: ``memcpy`` (a tensor copy into a warm destinat
 read`` (one file of the KV's size, read sequentially after dropping its pages), ``cold read, 8
 in flight`` (the exact store's own data files, read whole by 8 threads after dropping their
 pages) and ``write+fsync`` (the KV's bytes written to one new file and fsynced). Each timed write
-(the checkpoint and write+fsync) follows one untimed write+fsync of the same bytes, so that both
-find the disk in the same state (see ``_Context._wake_disk_writes``).
+(the checkpoint and write+fsync) follows one untimed write+fsync of the same bytes whose pages are
+then dropped, so that both find the disk and the free memory in the same state (see
+``_Context._wake_disk_writes``).
 
 A request is one new token after the N stored ones. TTFT runs from the request (looking the
 session up) to the first token picked: ``store.load`` + building the ``KVStrataCache`` + a
@@ -57,6 +58,7 @@ from kvstrata.bench.command import (
 from kvstrata.bench.hardware import (
     cold_parallel_read_s,
     cold_sequential_read_s,
+    drop_page_cache,
     drop_store_page_cache,
     memcpy_s,
     overwrite_fsync,
@@ -373,13 +375,25 @@ class _Context:
         raise AssertionError(f"unknown variant {variant}")
 
     def _wake_disk_writes(self) -> None:
-        """Write and fsync the same bytes once, untimed, before a timed write (the checkpoint or its
-        baseline): this VM's disk writes 3-5x slower after idling a second or two (94 MB
-        write+fsync: 180-500 ms after 2 s idle, 50-60 ms back to back; 50-57 ms after such a
-        write), so without it each sample of either fell into the slow or the fast mode at random
-        and the ratio of their medians swung 0.45-2.7x between runs. Over a kept file: a file
-        removed here would free its blocks in the journal commit that the timed write waits for."""
-        overwrite_fsync(self.root / "wake-up.bin", self.src.numpy())
+        """Put the disk and the memory in the same state before each timed write (the checkpoint
+        or its baseline): write and fsync the same bytes once, untimed, over a kept file, then
+        drop that file's pages.
+
+        The write: this VM's disk writes 3-5x slower after idling a second or two (94 MB
+        write+fsync: 180-500 ms after 2 s idle, 50-60 ms back to back), so without it each sample
+        fell into the slow or the fast mode at random. Over a kept file, because a file removed
+        here would free its blocks in the journal commit that the timed write waits for.
+
+        The drop: the VM hands free memory back to its host about 2 s after it is freed (free
+        page reporting), and the page cache a write fills comes from free memory: memory freed
+        moments before is ready, memory handed back faults page by page (a 2.9 MB record took
+        5.4 ms of CPU to write instead of 0.7). In the rotation, write+fsync came right after the
+        checkpoint had freed its pages and wrote into them; the checkpoint came after reads that
+        had taken back what they freed, and every other record of it was slow (0.42-0.6x in
+        three runs). The bytes freed here leave both the same ready memory."""
+        kept = self.root / "wake-up.bin"
+        overwrite_fsync(kept, self.src.numpy())
+        drop_page_cache([kept])
 
     def _resumed_request(self, path: str) -> dict[str, float]:
         """One resumed request: restore the session, forward the new token, pick the first token;
