@@ -74,10 +74,11 @@ class DiskBatch:
         base = len(self.results)
         self.results += [None] * len(blocks)
         replace = replace or set()
+        stored = disk.placements([block.key for block in blocks])  # one index query for the batch
         writes = [
             disk.prepare(base + i, block, previous)
             for i, block in enumerate(blocks)
-            if (previous := disk.placement(block.key)) is None or block.key in replace
+            if (previous := stored.get(block.key)) is None or block.key in replace
         ]
         refused = disk.refused(writes, self._growth)
         for w in writes:
