@@ -7,7 +7,8 @@ committed into a store under the exact codec ladder, so every restore is bit-exa
 older blocks are int8 in L3). The default contexts run on SmolLM2's KV geometry; the
 ``--tiny-contexts`` (32,768 tokens by default) on a tiny random Llama shaped for a long context:
 a large KV and a fast forward. Each repeat then runs every variant once, in an order that
-rotates from repeat to repeat; the figures are medians.
+rotates from repeat to repeat, each kvstrata path next to its baseline (L1 and L2 with memcpy, L3
+with the cold reads, the checkpoint with write+fsync); the figures are medians.
 
 kvstrata, through its public API (``KVStore.load`` / ``append`` / ``checkpoint``):
 
@@ -186,8 +187,10 @@ def run(
         raise ConfigError("context lengths must be at least 2 tokens")
     if not lengths and not tiny_lengths:
         raise ConfigError("give at least one context length")
-    variants = [L1, L2, L3, *([L3_LOSSY] if lossy else []), RECOMPUTE]
-    variants += [CHECKPOINT, MEMCPY, SEQ_READ, PAR_READ, WRITE_FSYNC]
+    # each kvstrata path next to its baseline (the rotation keeps neighbours together): samples
+    # taken moments apart find the machine in the same state
+    variants = [L1, L2, MEMCPY, L3, SEQ_READ, PAR_READ, *([L3_LOSSY] if lossy else [])]
+    variants += [CHECKPOINT, WRITE_FSYNC, RECOMPUTE]
     steps = 1 + repeats * (len(variants) - 1) + recomputes
     per_context: dict[str, Any] = {}
     models: dict[str, Any] = {}
