@@ -10,7 +10,7 @@ mirror writes behind L3.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstrata.config import StoreConfig
@@ -27,6 +27,22 @@ usually ends a batch first."""
 _LINGER_S = 0.02
 """How long the writer waits for the next block of a checkpoint being appended (see
 :mod:`kvstrata.store.writer`)."""
+
+
+def stored_codecs(disk: Tier, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+    """The codec of each of ``keys`` that ``disk`` holds: one index query for all where the tier
+    answers for many keys at once (one query a key took about 0.07 ms, and the checkpoint asked
+    for every block twice)."""
+    placements = getattr(disk, "placements", None)
+    if placements is None:
+        return {key: codec for key in keys if (codec := disk.codec_of(key)) is not None}
+    return {key: placement.codec for key, placement in placements(keys).items()}
+
+
+def absent(disk: Tier, keys: Sequence[BlockKey]) -> list[BlockKey]:
+    """The ``keys`` ``disk`` does not hold, in order (see :func:`stored_codecs`)."""
+    stored = stored_codecs(disk, keys)
+    return [key for key in keys if key not in stored]
 
 
 class DiskWriter:
@@ -113,8 +129,9 @@ class DiskWriter:
             except TierUnavailableError as exc:  # no namespace to encrypt it under
                 errors[i] = exc
         replace: set[BlockKey] = set()
+        stored = stored_codecs(self.disk, [block.key for block in ready])
         for block in ready:
-            current = self.disk.codec_of(block.key)
+            current = stored.get(block.key)
             # a different codec is an upgrade (exact KV recomputed) or a re-encode down the ladder
             if (current is not None and block.encoded is not None and current != block.encoded.codec) or (
                 block.key in self._replace
@@ -150,7 +167,7 @@ class DiskWriter:
         """Write ``keys`` to L3 and wait; ``source(key)`` gives a block from memory (encoded for
         L3). The keys that could not be made durable (not found anywhere, or L3 failing) are
         returned."""
-        wanted = [k for k in dict.fromkeys(keys) if not self.disk.contains(k)]
+        wanted = absent(self.disk, list(dict.fromkeys(keys)))
         for key in wanted:
             if self._writer.is_pending(key):
                 continue

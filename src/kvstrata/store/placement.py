@@ -42,7 +42,7 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.demoter import Demoter
-from kvstrata.store.durability import DiskWriter
+from kvstrata.store.durability import DiskWriter, absent
 from kvstrata.store.reencoder import ReEncoder
 from kvstrata.store.remote_mirror import RemoteMirror
 from kvstrata.store.restore import Restorer
@@ -116,16 +116,22 @@ class TieredStore:
             return block
         return block.reencoded(codec, self.layout)
 
-    def stored_loss(self, key: BlockKey) -> int | None:
-        """Loss rank of the best copy held anywhere (0 = exact); None when absent."""
+    def stored_loss(self, key: BlockKey, *, absent_from_disk: bool = False) -> int | None:
+        """Loss rank of the best copy held anywhere (0 = exact); None when absent.
+        ``absent_from_disk``: the caller just asked the index, L3 does not hold it."""
         ranks = [LOSS_RANK[CodecId(c)] for t in self.memory_tiers if (c := t.codec_of(key)) is not None]
         pending = self.disk_writer.pending(key)
         if pending is not None and pending.encoded is not None:
             ranks.append(LOSS_RANK[pending.encoded.codec])
-        on_disk = self.disk.codec_of(key)
+        on_disk = None if absent_from_disk else self.disk.codec_of(key)
         if on_disk is not None:
             ranks.append(LOSS_RANK[CodecId(on_disk)])
         return min(ranks) if ranks else None
+
+    def absent_from_disk(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
+        """The ``keys`` L3 does not hold (one index query for all; a block another process writes
+        meanwhile is written again, which the index takes as a replacement)."""
+        return set(absent(self.disk, keys))
 
     def seal(self, block: KVBlock) -> KVBlock:
         """``block`` carrying its namespace: the index records it (quotas are per namespace), and
@@ -255,17 +261,19 @@ class TieredStore:
         recent: bool = False,
         namespace: str | None = None,
         replace: bool = False,
+        absent_from_disk: bool = False,
     ) -> bool:
         """Place a new block at the top tier. A block already stored anywhere is only touched,
         unless every stored copy is lossier than ``priority`` accepts (or ``replace``): then this
         (exact) block replaces them. ``recent`` marks it as in a session's full-precision window.
-        True once it is placed or queued for L3."""
+        ``absent_from_disk``: the caller just found L3 without it (no index query again). True
+        once it is placed or queued for L3."""
         submit: KVBlock | None = None
         with self.lock:
             stats = self.stats.touch(block.key, block.num_tokens, priority, block.start_pos)
             stats.recent = stats.recent or recent
             stats.namespace = namespace or block.namespace or stats.namespace
-            loss = self.stored_loss(block.key)
+            loss = self.stored_loss(block.key, absent_from_disk=absent_from_disk)
             if loss is not None:
                 wanted = self.ladder.max_loss_rank(priority or Priority.INTERACTIVE)
                 if loss <= wanted and not replace:

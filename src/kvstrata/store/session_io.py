@@ -87,21 +87,29 @@ class SessionIO:
         window_start = new_full - self.config.ladder.recent_blocks  # full blocks from here stay exact
         start_pos = old_full * bt
         parent = session.block_keys[-1] if session.block_keys else self.root_key(session.namespace)
-        offset = 0
         lineage, lineage_from = session.lineage, session.lineage_from
-        while len(pending_tokens) - offset >= bt:
+        full_keys: list[BlockKey] = []
+        for offset in range(0, len(pending_tokens) - bt + 1, bt):
             chunk = pending_tokens[offset : offset + bt]
             parent = chain_key(block_parent(parent, start_pos + offset, bt, lineage, lineage_from), chunk)
-            recent = len(session.block_keys) >= window_start
-            self._put_block(parent, start_pos + offset, kv[:, :, :, offset : offset + bt], session, recent)
-            session.block_keys.append(parent)
-            offset += bt
+            full_keys.append(parent)
+        offset = len(full_keys) * bt
         rest = pending_tokens[offset:]
         session.tail_key = None
         if rest:
             parent = block_parent(parent, start_pos + offset, len(rest), lineage, lineage_from)
             session.tail_key = chain_key(parent, rest)
-            self._put_block(session.tail_key, start_pos + offset, kv[:, :, :, offset:], session, True)
+        # one index query for the whole append (one a block took about 0.07 ms: 36 of the 200 ms
+        # of a 512-block checkpoint)
+        absent = self.tiered.absent_from_disk([*full_keys, *([session.tail_key] if rest else [])])
+        for i, key in enumerate(full_keys):
+            recent = len(session.block_keys) >= window_start
+            block_kv = kv[:, :, :, i * bt : (i + 1) * bt]
+            self._put_block(key, start_pos + i * bt, block_kv, session, recent, key in absent)
+            session.block_keys.append(key)
+        if session.tail_key is not None:
+            tail = session.tail_key
+            self._put_block(tail, start_pos + offset, kv[:, :, :, offset:], session, True, tail in absent)
         # blocks this append pushed out of the recent window go down the ladder, in the background
         self.tiered.age_out(
             session.block_keys[
@@ -114,7 +122,13 @@ class SessionIO:
             self.checkpoint(session)
 
     def _put_block(
-        self, key: BlockKey, start_pos: int, kv: torch.Tensor, session: Session, recent: bool
+        self,
+        key: BlockKey,
+        start_pos: int,
+        kv: torch.Tensor,
+        session: Session,
+        recent: bool,
+        absent_from_disk: bool = False,
     ) -> None:
         tensor = staging.BUFFERS.copy(kv.detach().to(self.layout.torch_dtype))
         self.layout.check_block(tensor)
@@ -122,6 +136,7 @@ class SessionIO:
             KVBlock(key, int(tensor.shape[3]), start_pos, tensor, namespace=session.namespace),
             priority=session.priority,
             recent=recent,
+            absent_from_disk=absent_from_disk,
         )
 
     def _read_tail(self, session: Session) -> torch.Tensor:
