@@ -36,6 +36,12 @@ _NUMPY_VIEW = {
 }
 
 
+def has_host_array(tensor: torch.Tensor) -> bool:
+    """Whether :func:`host_array` can view ``tensor``: on the CPU, no autograd history, a dtype
+    numpy can hold the bits of."""
+    return tensor.device.type == "cpu" and not tensor.requires_grad and tensor.dtype in _NUMPY_VIEW
+
+
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (any dtype torch stores in 8-64 bits; bfloat16 as uint16)."""
     view_dtype = _NUMPY_VIEW[tensor.dtype]

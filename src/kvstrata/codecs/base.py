@@ -16,6 +16,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from kvstrata.layout import KVLayout
+from kvstrata.transfer import has_host_array, host_array
 
 
 class CodecId(enum.IntEnum):
@@ -79,7 +80,13 @@ def tensor_bytes(kv: torch.Tensor) -> bytes:
 
 def tensor_buffer(kv: torch.Tensor) -> memoryview:
     """The bytes of a tensor without a copy when it is already a contiguous CPU tensor (the
-    buffer then shares its memory: the tensor must not change while the buffer is in use)."""
+    buffer then shares its memory: the tensor must not change while the buffer is in use).
+
+    That case takes no torch operator: each one lets go of the GIL, and on a thread appending
+    blocks while the store's writer runs, getting it back took up to the interpreter's switch
+    interval (5 ms) each time: this line was 0.26 ms a block of a 512-block checkpoint."""
+    if has_host_array(kv) and kv.is_contiguous():
+        return memoryview(host_array(kv)).cast("B")
     flat = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
 

@@ -130,7 +130,12 @@ class SessionIO:
         recent: bool,
         absent_from_disk: bool = False,
     ) -> None:
-        tensor = staging.BUFFERS.copy(kv.detach().to(self.layout.torch_dtype))
+        # no torch operator where none is needed (each lets go of the GIL: see tensor_buffer)
+        if kv.requires_grad:
+            kv = kv.detach()
+        if kv.dtype != self.layout.torch_dtype:
+            kv = kv.to(self.layout.torch_dtype)
+        tensor = staging.BUFFERS.copy(kv)
         self.layout.check_block(tensor)
         self.tiered.put(
             KVBlock(key, int(tensor.shape[3]), start_pos, tensor, namespace=session.namespace),
