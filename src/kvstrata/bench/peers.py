@@ -14,8 +14,13 @@ For each context length N (N tokens of history, then one new token):
   blocks go straight to the L3 writer, each in its L3 codec) under the exact ladder, the
   default ladder's interactive class (int8 in L3) and its background class (KIVI-4 in L3): bytes
   on disk and time; then restore from a cold L3 (data files dropped from the page cache:
-  ``store.load`` reads, verifies and decodes) + the new token's forward.
-  (kvstrata's full recompute is in ``kvstrata bench restore``.)
+  ``store.load`` reads, verifies and decodes, into the previous restore's buffer as the engine
+  does; one untimed restore per context fills it first) + the new token's forward. (kvstrata's
+  full recompute is in ``kvstrata bench restore``.)
+
+Every cold read, of either side, follows an untimed read of the same files and the drop of their
+pages (see :func:`kvstrata.bench.hardware.drop_page_cache`: on this VM, the state of the memory
+the page cache comes from decided which side read faster).
 
 The restore and the forward are reported apart: transformers' fp32 forward is not llama.cpp's
 quantized kernels. The goals (issue 14): kvstrata's exact cold restore reads at least as many GB/s
@@ -249,6 +254,11 @@ def _measure_context(
                 samples[variant]["flush_s"].append(committed.flush_s)
                 sizes[variant] = store_data_bytes(path)
                 stores[variant] = open_store(loaded, path, bench_config(0, 0, ladder=ladder), read_only=True)
+            if not spare:
+                # a context's first restore would allocate its buffer: page faults, not reading
+                # (llama.cpp's context has its KV memory already)
+                warm = Restorer(stores[KV_EXACT], devices, spare=spare)
+                warm.recycle(warm.restore(build_cache=False))
             for variant in rotate(variants, repeat):
                 bar.update(task, description=f"peers: {n} tokens, repeat {repeat + 1}/{repeats}, {variant}")
                 gc.collect()
