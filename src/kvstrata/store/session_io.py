@@ -95,20 +95,20 @@ class SessionIO:
             full_keys.append(parent)
         offset = len(full_keys) * bt
         rest = pending_tokens[offset:]
-        session.tail_key = None
+        tail = None
         if rest:
             parent = block_parent(parent, start_pos + offset, len(rest), lineage, lineage_from)
-            session.tail_key = chain_key(parent, rest)
+            tail = chain_key(parent, rest)
         # one index query for the whole append (one a block took about 0.07 ms: 36 of the 200 ms
         # of a 512-block checkpoint)
-        absent = self.tiered.absent_from_disk([*full_keys, *([session.tail_key] if rest else [])])
+        absent = self.tiered.absent_from_disk([*full_keys, *([tail] if tail is not None else [])])
         for i, key in enumerate(full_keys):
             recent = len(session.block_keys) >= window_start
             block_kv = kv[:, :, :, i * bt : (i + 1) * bt]
             self._put_block(key, start_pos + i * bt, block_kv, session, recent, key in absent)
             session.block_keys.append(key)
-        if session.tail_key is not None:
-            tail = session.tail_key
+        session.tail_key = tail
+        if tail is not None:
             self._put_block(tail, start_pos + offset, kv[:, :, :, offset:], session, True, tail in absent)
         # blocks this append pushed out of the recent window go down the ladder, in the background
         self.tiered.age_out(
