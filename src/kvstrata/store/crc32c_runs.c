@@ -85,6 +85,31 @@ int kvs_crc32c_supported(void) {
     return 1;
 }
 
+/* Whole groups of 3 x `block` bytes from *next: three independent streams, combined by shifting
+ * the first two through `block` zero bytes (zeros: that shift's table). */
+__attribute__((target("sse4.2"))) static inline uint64_t crc_three_way(uint64_t crc0,
+                                                                       const unsigned char **next,
+                                                                       size_t *len, size_t block,
+                                                                       uint32_t zeros[][256]) {
+    const unsigned char *at = *next;
+    while (*len >= 3 * block) {
+        uint64_t crc1 = 0, crc2 = 0;
+        const unsigned char *end = at + block;
+        do {
+            crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)at);
+            crc1 = _mm_crc32_u64(crc1, *(const uint64_t *)(at + block));
+            crc2 = _mm_crc32_u64(crc2, *(const uint64_t *)(at + 2 * block));
+            at += 8;
+        } while (at < end);
+        crc0 = shift(zeros, (uint32_t)crc0) ^ crc1;
+        crc0 = shift(zeros, (uint32_t)crc0) ^ crc2;
+        at += 2 * block;
+        *len -= 3 * block;
+    }
+    *next = at;
+    return crc0;
+}
+
 /* crc is the raw (not inverted) running value. */
 __attribute__((target("sse4.2"))) static uint64_t crc_raw(uint64_t crc0, const unsigned char *next,
                                                            size_t len) {
@@ -92,34 +117,8 @@ __attribute__((target("sse4.2"))) static uint64_t crc_raw(uint64_t crc0, const u
         crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
         len--;
     }
-    while (len >= 3 * LONG) {
-        uint64_t crc1 = 0, crc2 = 0;
-        const unsigned char *end = next + LONG;
-        do {
-            crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)next);
-            crc1 = _mm_crc32_u64(crc1, *(const uint64_t *)(next + LONG));
-            crc2 = _mm_crc32_u64(crc2, *(const uint64_t *)(next + 2 * LONG));
-            next += 8;
-        } while (next < end);
-        crc0 = shift(long_zeros, (uint32_t)crc0) ^ crc1;
-        crc0 = shift(long_zeros, (uint32_t)crc0) ^ crc2;
-        next += 2 * LONG;
-        len -= 3 * LONG;
-    }
-    while (len >= 3 * SHORT) {
-        uint64_t crc1 = 0, crc2 = 0;
-        const unsigned char *end = next + SHORT;
-        do {
-            crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)next);
-            crc1 = _mm_crc32_u64(crc1, *(const uint64_t *)(next + SHORT));
-            crc2 = _mm_crc32_u64(crc2, *(const uint64_t *)(next + 2 * SHORT));
-            next += 8;
-        } while (next < end);
-        crc0 = shift(short_zeros, (uint32_t)crc0) ^ crc1;
-        crc0 = shift(short_zeros, (uint32_t)crc0) ^ crc2;
-        next += 2 * SHORT;
-        len -= 3 * SHORT;
-    }
+    crc0 = crc_three_way(crc0, &next, &len, LONG, long_zeros);
+    crc0 = crc_three_way(crc0, &next, &len, SHORT, short_zeros);
     while (len >= 8) {
         crc0 = _mm_crc32_u64(crc0, *(const uint64_t *)next);
         next += 8;
