@@ -7,6 +7,8 @@ suite puts kvstrata next to, and the page cache dropped so that a read comes fro
   reads in flight (a thread pool: ``readinto`` releases the GIL), after their pages are dropped;
 - :func:`memcpy_s`: one tensor copy of the same bytes into a warm destination;
 - :func:`write_fsync_s`: the bytes written to one new file and fsynced.
+- :func:`on_each_cpu`: work run once on each CPU, so that memory is in the same state for every
+  thread (the untimed read and drop before a cold read, the wake-up write before a timed one).
 
 A store's data files are found by :func:`store_data_files` without knowing their layout (one
 file per block, or segments holding many), so the baselines follow the store's format.
@@ -15,8 +17,9 @@ file per block, or segments holding many), so the baselines follow the store's f
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,27 +47,62 @@ def store_data_bytes(root: Path) -> int:
     return sum(path.stat().st_size for path in store_data_files(root))
 
 
+def on_each_cpu(work: Callable[[], None]) -> None:
+    """Run ``work`` once on each CPU this process may run on (in a thread pinned to it), one CPU
+    after another; once in this thread where threads cannot be pinned.
+
+    Why: the kernel keeps pages freed on a CPU in that CPU's own free list (per-cpu pages,
+    auto-tuned here up to 1.3 GB), and this VM hands memory that sat free in the shared lists back
+    to its host (free page reporting), so that using it again faults page by page. Memory freed
+    on the main thread's CPU was ready for the main thread only: a checkpoint's writer thread, on
+    the other CPU, wrote every other 2.9 MB record in 5-7 ms against 0.6 ms (write+fsync on the
+    main thread: 0.55 ms each); the same memory prepared on each CPU, every record took 0.6-0.9."""
+    if not hasattr(os, "sched_setaffinity"):
+        work()
+        return
+    errors: list[BaseException] = []
+
+    def pinned(cpu: int) -> None:
+        try:
+            os.sched_setaffinity(0, {cpu})  # 0: this thread alone
+            work()
+        except BaseException as error:  # re-raised in the caller
+            errors.append(error)
+
+    for cpu in sorted(os.sched_getaffinity(0)):
+        thread = threading.Thread(target=pinned, args=(cpu,), name=f"kvstrata-bench-cpu{cpu}")
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+
 def drop_page_cache(paths: Iterable[Path]) -> None:
     """Write back and drop the files' pages from the page cache (``posix_fadvise(DONTNEED)``), so
     that the next read comes from the disk, into memory in the same state whatever came before.
 
-    Each file is read once first (untimed), so that dropping it frees its size in memory just
-    before the timed read allocates as much page cache. This VM hands memory freed a few seconds
-    earlier back to its host (free page reporting), and such memory faults page by page when it
-    is used again: in ``bench peers`` kvstrata's stores, whose checkpoints had dropped their pages
-    seconds before, were read with the kernel copying at 0.6-0.8 GB/s (a 188 MB restore: 238 ms of
-    CPU in ``preadv``), while llama.cpp's state file, still cached when dropped, read at 2 GB/s."""
+    Each file is read once first (untimed), on each CPU (:func:`on_each_cpu`), so that dropping it
+    frees its size in memory just before the timed read allocates as much page cache, on whichever
+    CPU the reading thread runs. This VM hands memory freed a few seconds earlier back to its host
+    (free page reporting), and such memory faults page by page when it is used again: in ``bench
+    peers`` kvstrata's stores, whose checkpoints had dropped their pages seconds before, were read
+    with the kernel copying at 0.6-0.8 GB/s (a 188 MB restore: 238 ms of CPU in ``preadv``), while
+    llama.cpp's state file, still cached when dropped, read at 2 GB/s."""
     paths = list(paths)
-    chunk = bytearray(READ_CHUNK_BYTES)
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped: write them back first
-            while os.readv(fd, [chunk]):
-                pass
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+
+    def read_and_drop() -> None:
+        chunk = bytearray(READ_CHUNK_BYTES)
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped: write them back first
+                while os.readv(fd, [chunk]):
+                    pass
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    on_each_cpu(read_and_drop)
 
 
 def drop_store_page_cache(root: Path) -> None:

@@ -396,7 +396,7 @@ class _Context:
         three runs). The bytes freed here leave both the same ready memory."""
         kept = self.root / "wake-up.bin"
         overwrite_fsync(kept, self.src.numpy())
-        drop_page_cache([kept])
+        drop_page_cache([kept])  # on each CPU: the checkpoint's writer thread runs on either
 
     def _resumed_request(self, path: str) -> dict[str, float]:
         """One resumed request: restore the session, forward the new token, pick the first token;
