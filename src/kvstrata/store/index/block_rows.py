@@ -17,7 +17,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvstrata.keys import BlockKey
@@ -117,6 +117,30 @@ def _account(db: sqlite3.Connection, namespace: str | None, blocks: int, nbytes:
     )
 
 
+_KEYS_PER_QUERY = 500
+"""Keys per ``IN (...)`` query (well under SQLite's limit on bound parameters)."""
+
+
+def _select_many(db: sqlite3.Connection, keys: Sequence[bytes]) -> dict[bytes, tuple[Any, ...]]:
+    """(namespace, *placement) of each of ``keys`` that has a row."""
+    found: dict[bytes, tuple[Any, ...]] = {}
+    unique = list(dict.fromkeys(keys))
+    for i in range(0, len(unique), _KEYS_PER_QUERY):
+        part = unique[i : i + _KEYS_PER_QUERY]
+        rows = db.execute(
+            f"SELECT key, namespace, {_PLACEMENT} FROM blocks WHERE key IN ({', '.join('?' * len(part))})",
+            part,
+        ).fetchall()
+        found.update((bytes(row[0]), tuple(row[1:])) for row in rows)
+    return found
+
+
+def _values(row: BlockRow) -> tuple[Any, ...]:
+    """``row``'s columns in ``_COLUMNS`` order."""
+    return (row.key, row.cold, row.num_tokens, row.start_pos, row.codec, row.nbytes, row.created,
+            row.last_access, row.access_count, row.namespace, row.file_id, row.offset)  # fmt: skip
+
+
 def _select_old(db: sqlite3.Connection, key: bytes) -> tuple[Any, ...] | None:
     """(namespace, *placement) of ``key``'s row."""
     return db.execute(  # type: ignore[no-any-return]
@@ -169,16 +193,31 @@ class BlockTable:
         return self.put_many([row])[0]
 
     def put_many(self, rows: Sequence[BlockRow]) -> list[Placement | None]:
-        """``put`` for a batch, in ONE transaction (what a group commit needs)."""
+        """``put`` for a batch, in ONE transaction (what a group commit needs): the rows it
+        replaces read with one query per ``_KEYS_PER_QUERY`` keys, the rows written with one
+        ``executemany``, the usage totals updated once per namespace (row by row, with
+        ``dataclasses.astuple``, a 512-block checkpoint of the tiny model spent 75 ms here)."""
         replaced: list[Placement | None] = []
+        usage: dict[str | None, list[int]] = {}
+
+        def count(namespace: str | None, blocks: int, nbytes: int) -> None:
+            total = usage.setdefault(namespace or UNKNOWN_NAMESPACE, [0, 0])
+            total[0] += blocks
+            total[1] += nbytes
+
         with self.db.transaction() as db:
+            current = _select_many(db, [row.key for row in rows])  # key -> (namespace, *placement)
             for row in rows:
-                old = _select_old(db, row.key)
-                db.execute(_INSERT, astuple(row))
+                old = current.get(row.key)
                 if old is not None:
-                    _account(db, old[0], -1, -old[2])
-                _account(db, row.namespace, 1, row.nbytes)
+                    count(old[0], -1, -old[2])
+                count(row.namespace, 1, row.nbytes)
                 replaced.append(_placement(old[1:]) if old is not None else None)
+                current[row.key] = (row.namespace, row.cold, row.nbytes, row.codec, row.num_tokens,
+                                    row.file_id, row.offset)  # fmt: skip
+            db.executemany(_INSERT, [_values(row) for row in rows])
+            for namespace, (blocks, nbytes) in usage.items():
+                _account(db, namespace, blocks, nbytes)
         return replaced
 
     def delete(self, keys: Iterable[BlockKey], *, file_id: str | None = None) -> dict[BlockKey, Placement]:
