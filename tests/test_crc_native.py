@@ -51,6 +51,26 @@ def test_runs_give_the_crc32c_packages_value(run: int) -> None:
         assert got == _package(start, data, offsets, run)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "package"])
+def test_a_buffers_crc_is_the_packages_value(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """``crc32c_of`` (a record's payload when it is written, a whole record when it is read): one
+    native call from ``NATIVE_MIN_BYTES``, the package below it or while the library is not loaded."""
+    if native:
+        _lib()
+    else:
+        monkeypatch.setattr(_native_crc.LIBRARY, "loaded", lambda: None)
+        monkeypatch.setattr(_native_crc.LIBRARY, "start", lambda: None)
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    view = memoryview(data)
+    for size in (0, 1, 4095, _native_crc.NATIVE_MIN_BYTES - 1, _native_crc.NATIVE_MIN_BYTES, 300_007):
+        start = int(rng.integers(0, 1 << 32))
+        offset = int(rng.integers(0, 64))  # any alignment
+        part = view[offset : offset + size]
+        assert _native_crc.crc32c_of(part, start) == crc32c.crc32c(part, start)
+        assert _native_crc.crc32c_of(bytearray(part)) == crc32c.crc32c(part)
+
+
 def test_offsets_must_be_contiguous_int64() -> None:
     _lib()
     data = np.zeros(64, dtype=np.uint8)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from kvstrata.native import NativeLibrary
@@ -42,3 +43,22 @@ def crc32c_runs(crc: int, base: int, offsets: np.ndarray, run: int) -> int | Non
     if offsets.dtype != np.int64 or not offsets.flags.c_contiguous:
         raise ValueError("offsets must be a contiguous int64 array")
     return int(lib.kvs_crc32c_runs(crc, base, offsets.ctypes.data, len(offsets), run))
+
+
+NATIVE_MIN_BYTES = 64 << 10
+"""Below this a buffer is checked by the ``crc32c`` package (the native call's set-up costs more)."""
+_ONE_RUN = np.zeros(1, dtype=np.int64)
+
+
+def crc32c_of(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """The CRC32C of ``data`` continuing ``crc``: one native call for a large buffer (the GIL
+    released throughout), the ``crc32c`` package otherwise or until the library is built. A
+    record's payload is checked this way when it is written: the package took 46 us of the
+    writer thread's ~190 a 256 KiB record (it gets the GIL back after every 32 KiB)."""
+    view = memoryview(data)
+    if view.nbytes >= NATIVE_MIN_BYTES and view.c_contiguous:
+        address = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data
+        native = crc32c_runs(crc, address, _ONE_RUN, view.nbytes)
+        if native is not None:
+            return native
+    return crc32c.crc32c(data, crc)

@@ -35,6 +35,7 @@ from kvstrata.crypto import NONCE_BYTES, Keyring
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.layout import LAYOUT_FINGERPRINT_BYTES
+from kvstrata.store._native_crc import crc32c_of
 
 MAGIC = b"\x89KVBIN\r\n"
 FORMAT_VERSION = 1
@@ -123,7 +124,7 @@ def record_parts(
     )
     crc = crc32c.crc32c(header)
     crc = crc32c.crc32c(params, crc)
-    crc = crc32c.crc32c(payload, crc)
+    crc = crc32c_of(payload, crc)
     return [header, params, payload, _TRAILER.pack(crc)]
 
 
@@ -172,7 +173,7 @@ def decode_record(
     body_end = header.total_bytes - TRAILER_BYTES
     view = memoryview(data)
     (stored_crc,) = _TRAILER.unpack_from(view, body_end)
-    actual_crc = crc32c.crc32c(view[:body_end])
+    actual_crc = crc32c_of(view[:body_end])
     if stored_crc != actual_crc:
         raise CorruptBlockError(f"CRC32C mismatch (stored {stored_crc:08x}, computed {actual_crc:08x})", path)
     if expected_key is not None and header.key != expected_key:
