@@ -3,6 +3,8 @@ evicts, and per-namespace quotas."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
 import subprocess
@@ -15,11 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from kvstrata import GcConfig, KVStore, StoreConfig
+from kvstrata.cli.main import app
 from kvstrata.config import NamespaceQuota
+from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import CodecLadder
+from kvstrata.store.index import BlockRow
+from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.lifecycle import collect_garbage
+from kvstrata.store.tiers import disk_batch
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
@@ -137,6 +145,59 @@ def test_an_append_and_its_checkpoint_ask_the_index_by_batch_not_by_block(
     assert store.tiered.disk_writer.written_blocks == written
     assert not single and not batched  # this process knows they are stored: no query at all
     assert _whole(store, "s", tokens) and _whole(store, "t", tokens)
+
+
+def test_a_batch_of_index_rows_replaces_and_accounts_as_row_by_row(open_store: Factory) -> None:
+    """``put_many`` reads the rows it replaces with a few queries and writes with one
+    ``executemany``: what it returns and the usage totals must be those of one row at a time,
+    across query chunks, with keys replaced (in another namespace) and a key twice in a batch."""
+    blocks = open_store().index.blocks
+
+    def row(i: int, namespace: str, nbytes: int, offset: int | None = None) -> BlockRow:
+        return BlockRow(BlockKey(i.to_bytes(32, "big")), False, 4, 0, 0, nbytes, 1.0, 1.0, 0, namespace,
+                        f"seg{i % 3}", offset)  # fmt: skip
+
+    assert blocks.put_many([row(1, "a", 100, 0), row(2, "a", 200, 100), row(3, "b", 300)]) == [None] * 3
+    batch = [row(i, "c", 10) for i in range(10, 1210)]  # more keys than one query takes
+    batch += [row(2, "b", 50, 7), row(3, "a", 60), row(11, "a", 70)]  # 2 and 3 replaced; 11 twice
+    replaced = blocks.put_many(batch)
+    assert replaced[:1200] == [None] * 1200
+    assert replaced[1200] == Placement(False, 200, 0, 4, "seg2", 100)
+    assert replaced[1201] == Placement(False, 300, 0, 4, "seg0", None)
+    assert replaced[1202] == Placement(False, 10, 0, 4, "seg2", None)  # the batch's own earlier row
+    counted = blocks.db.query("SELECT namespace, count(*), total(nbytes) FROM blocks GROUP BY namespace")
+    assert blocks.usage_by_namespace() == {ns: (int(n), int(b)) for ns, n, b in counted}
+    assert blocks.usage_by_namespace() == {"a": (3, 230), "b": (1, 50), "c": (1199, 11990)}
+
+
+def test_small_records_are_written_in_groups_and_read_back(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records under ``WRITE_GROUP_BYTES`` that the writer takes together go to the segment with
+    one ``writev`` per group, back to back, each still its own checked record."""
+    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0, write_policy="write-back")
+    calls: list[int] = []
+    writev = os.writev
+
+    def counting(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", counting)
+    session = store.create_session("s")
+    tokens = list(range(48 * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))  # write-back: all queued at once
+    store.checkpoint(session)
+    assert RECORD < disk_batch.WRITE_GROUP_BYTES
+    assert sum(calls) >= 4 * 48 and len(calls) < 48  # every record's 4 parts, fewer calls than records
+    segments = {p for p in (store.disk.path_of(k) for k in session.block_keys) if p is not None}
+    store.close()
+    for segment in segments:
+        result = CliRunner().invoke(app, ["inspect", str(segment), "--json"])
+        assert result.exit_code == 0, result.output
+        assert all(r["crc32c"] == "ok" for r in json.loads(result.output)["records"])
+    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    assert _whole(store, "s", tokens)
 
 
 def test_a_bounded_l3_evicts_the_least_valuable_and_never_refuses(open_store: Factory) -> None:
