@@ -297,7 +297,7 @@ def test_a_small_decoded_restore_is_read_in_ranges_enough_for_every_decoder() ->
     assert buffered_chunk_bytes(extents(2, 4096)) == MIN_CHUNK_BYTES
 
 
-def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_record_alone() -> None:
+def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_one_tapered() -> None:
     from kvstrata.keys import BlockKey
     from kvstrata.store.index.block_rows import Placement
     from kvstrata.store.tiers.segment_reads import (
@@ -315,16 +315,22 @@ def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_record_alone
 
     paths = {"seg": Path("seg.kvseg")}
     small = extents(8, 2_949_200)  # a 512-token SmolLM2 restore: one record per range
-    chunks = plan_chunks(small, paths, in_place_chunk_bytes(small), lone_last=True)
+    chunks = plan_chunks(small, paths, in_place_chunk_bytes(small), taper=True)
     assert [len(c.extents) for c in chunks] == [1] * 8
-    mid = extents(32, 2_949_200)  # 2,048 tokens: 4 records a range, the last record alone
-    chunks = plan_chunks(mid, paths, in_place_chunk_bytes(mid), lone_last=True)
-    assert [len(c.extents) for c in chunks] == [4] * 7 + [3, 1]
+    mid = extents(32, 2_949_200)  # 2,048 tokens: 2 records a range (8 MiB at most), the last cut
+    chunks = plan_chunks(mid, paths, in_place_chunk_bytes(mid), taper=True)
+    assert [len(c.extents) for c in chunks] == [2] * 15 + [1, 1]
     assert [e.position for c in chunks for e in c.extents] == list(range(32))
+    assert all(c.end - c.start == sum(e.placement.nbytes for e in c.extents) for c in chunks)
+    tiny = extents(512, 262_240)  # the tiny model's 32,768 tokens: 31 records a range, 16 left
+    chunks = plan_chunks(tiny, paths, in_place_chunk_bytes(tiny), taper=True)
+    assert in_place_chunk_bytes(tiny) == IN_PLACE_CHUNK_BYTES
+    assert [len(c.extents) for c in chunks] == [31] * 16 + [8, 4, 2, 1, 1]
+    assert [e.position for c in chunks for e in c.extents] == list(range(512))
     assert all(c.end - c.start == sum(e.placement.nbytes for e in c.extents) for c in chunks)
     large = extents(400, 1 << 20)
     assert in_place_chunk_bytes(large) == IN_PLACE_CHUNK_BYTES
-    assert len(plan_chunks(large, paths, IN_PLACE_CHUNK_BYTES)[-1].extents) > 1  # lone_last off
+    assert len(plan_chunks(large, paths, IN_PLACE_CHUNK_BYTES)[-1].extents) > 1  # taper off
 
 
 def test_range_buffers_are_kept_for_the_next_restore_whichever_store_it_serves() -> None:
