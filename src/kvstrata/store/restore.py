@@ -259,7 +259,8 @@ class Restorer:
             top = tiered.memory_tiers[0].level if tiered.memory_tiers else None
             for i, block, level in hits:
                 served[level] = served.get(level, 0) + 1
-                if level is not top and tiered.may_promote(block.key, True):
+                # a tier above to promote into, or no slice and block made (12 us a block)
+                if top is not None and top < level and tiered.may_promote(block.key, True):
                     tiered.promote(self._resident(block, buffer[:, :, :, i * bt : (i + 1) * bt]), level)
             elapsed = time.perf_counter() - started
             for level, blocks in served.items():
