@@ -1,8 +1,10 @@
 """CRC32C over the runs of a record read straight into place, in one native call
 (``crc32c_runs.c``): 5.2 GB/s run by run through the ``crc32c`` package (one call and one release
 of the GIL per 16 KiB run), against one call per record here. The check of the last record of a
-restore is on its critical path (it can only start once that record is read). Built on first use
-(:mod:`kvstrata.native`); until then, and where it cannot be, the ``crc32c`` package checks.
+restore is on its critical path (it can only start once that record is read). The same call
+checksums a large buffer (:func:`crc32c_of`: a record's payload as it is written, a whole record
+read into a buffer). Built on first use (:mod:`kvstrata.native`); until then, and where it cannot
+be, the ``crc32c`` package checks.
 """
 
 from __future__ import annotations
