@@ -5,7 +5,10 @@ way."""
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import crc32c
 import numpy as np
@@ -71,6 +74,60 @@ def test_a_buffers_crc_is_the_packages_value(monkeypatch: pytest.MonkeyPatch, na
         assert _native_crc.crc32c_of(bytearray(part)) == crc32c.crc32c(part)
 
 
+def _ranges(buffers: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """``first`` and the (address, length) rows of ``buffers``, a list of buffers per range."""
+    rows = [(b.ctypes.data, b.nbytes) for per_range in buffers for b in per_range]
+    first = np.cumsum([0] + [len(per_range) for per_range in buffers]).astype(np.int64)
+    return first, np.array(rows, dtype=np.uint64).reshape(-1, 2)
+
+
+def test_preadv_ranges_reads_every_range_into_its_buffers(tmp_path: Path) -> None:
+    """One native call reads range after range, each into its own buffers (zero-length ones too,
+    more than IOV_MAX in a range), and publishes the bytes read, fewer at the end of the file."""
+    _lib()
+    data = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "segment"
+    path.write_bytes(data.tobytes())
+    buffers = [
+        [np.zeros(n, dtype=np.uint8) for n in (92, 0, 16384, 4)],  # header, nothing, a run, trailer
+        [np.zeros(7, dtype=np.uint8) for _ in range(2500)],  # more buffers than one preadv takes
+        [np.zeros(30, dtype=np.uint8)],  # runs past the end of the file
+    ]
+    offsets = np.array([100, 500_000, len(data) - 10], dtype=np.int64)
+    first, iovs = _ranges(buffers)
+    done = np.full(3, _native_crc.NOT_READ, dtype=np.int64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _native_crc.preadv_ranges(fd, offsets, first, iovs, done)
+    finally:
+        os.close(fd)
+    assert done.tolist() == [92 + 16384 + 4, 2500 * 7, 10]
+    for offset, per_range in zip(offsets.tolist(), buffers, strict=True):
+        got = np.concatenate(per_range)
+        expected = data[offset : offset + len(got)]
+        assert np.array_equal(got[: len(expected)], expected)
+
+
+def test_preadv_ranges_reports_an_error_per_range_and_checks_its_arguments(tmp_path: Path) -> None:
+    _lib()
+    buffers = [[np.zeros(8, dtype=np.uint8)], [np.zeros(8, dtype=np.uint8)]]
+    first, iovs = _ranges(buffers)
+    offsets = np.zeros(2, dtype=np.int64)
+    done = np.full(2, _native_crc.NOT_READ, dtype=np.int64)
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: every read fails
+    try:
+        _native_crc.preadv_ranges(fd, offsets, first, iovs, done)
+        assert done.tolist() == [-errno.EISDIR, -errno.EISDIR]
+        with pytest.raises(ValueError, match="int64"):
+            _native_crc.preadv_ranges(fd, offsets.astype(np.int32), first, iovs, done)
+        with pytest.raises(ValueError, match="one more entry"):
+            _native_crc.preadv_ranges(fd, offsets, first[:-1], iovs, done)
+        with pytest.raises(ValueError, match="outside"):
+            _native_crc.preadv_ranges(fd, offsets, first + 1, iovs, done)
+    finally:
+        os.close(fd)
+
+
 def test_offsets_must_be_contiguous_int64() -> None:
     _lib()
     data = np.zeros(64, dtype=np.uint8)
@@ -84,12 +141,25 @@ def test_turned_off_it_is_not_built_and_says_why(monkeypatch: pytest.MonkeyPatch
     assert library.load(timeout=30) is None and "turned off" in library.status()
 
 
+@pytest.mark.parametrize("reads", ["native", "python"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "package"])
 def test_an_in_place_restore_checks_every_record_and_finds_damage(
-    open_store: Factory, monkeypatch: pytest.MonkeyPatch, native: bool
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch, native: bool, reads: str
 ) -> None:
-    if native:
-        _lib()
+    """Whichever thread reads (the native loop, or Python's ``preadv`` range by range) and
+    whichever code checks (one native call per record, or the package run by run)."""
+    _lib()
+    looped: list[int] = []
+    loop = restore_stream.preadv_ranges
+
+    def counted_loop(*args):  # type: ignore[no-untyped-def]
+        looped.append(1)
+        return loop(*args)
+
+    monkeypatch.setattr(restore_stream, "preadv_ranges", counted_loop)
+    if reads == "python":
+        never_built = NativeLibrary("off", Path("/nonexistent.c"), [], _native_crc._setup)
+        monkeypatch.setattr(restore_stream, "LIBRARY", never_built)  # the reads stay in Python
     calls: list[int] = []
     checker = _native_crc.crc32c_runs
 
@@ -106,6 +176,7 @@ def test_an_in_place_restore_checks_every_record_and_finds_damage(
     loaded = store.load(store.session("s"))
     assert loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
     assert len(calls) == 6  # every record was checked in place
+    assert bool(looped) == (reads == "native")
 
     flip_byte(store, session.block_keys[4], at=HEADER_BYTES + LAYOUT.bytes_per_block // 2)  # in a run
     damaged = store.load(store.session("s"))

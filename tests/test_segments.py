@@ -34,6 +34,7 @@ from stored import files_and_index, flip_byte, record_files
 Factory = Callable[..., KVStore]
 COMPACTOR = Path(__file__).with_name("compact_writer.py")
 NO_GRACE = GcConfig(grace_s=0.0, unreferenced_after_s=0.0)
+RECORD = LAYOUT.bytes_per_block + 92 + 4  # a full block's record, identity codec
 
 
 def _fill(store: KVStore, sid: str, first_token: int, blocks: int) -> list[int]:
@@ -86,6 +87,40 @@ def test_a_checkpoint_is_one_segment_read_back_as_a_stream(open_store: Factory) 
     report = json.loads(result.output)
     assert [r["key"] for r in report["records"]] == [k.hex() for k in keys] and not report["damaged"]
     assert all(r["crc32c"] == "ok" for r in report["records"])
+
+
+def test_a_chain_across_holes_is_read_in_place_by_the_native_loop(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records with deleted ones between them: the native read loop reads through the holes (to
+    scratch) and every record lands in its slice, checked."""
+    from kvstrata.store import _native_crc, restore_stream
+
+    if _native_crc.LIBRARY.load(timeout=120) is None:
+        pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
+    plans: list[restore_stream._NativeReads] = []
+    native_reads = restore_stream._NativeReads
+
+    def kept(*args):  # type: ignore[no-untyped-def]
+        plans.append(native_reads(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(restore_stream, "_NativeReads", kept)
+    store = _disk_only(open_store)
+    tokens = _fill(store, "s", 0, 8)
+    keys = store.session("s").block_keys
+    for i in (2, 5):
+        assert store.tiered.remove(keys[i])  # its record stays in the segment: a hole
+    wanted = [0, 1, 3, 4, 6, 7]
+    loaded = store.load_blocks([keys[i] for i in wanted])
+    bt = LAYOUT.block_tokens
+    full = token_kv(LAYOUT, tokens)
+    expected = torch.cat([full[:, :, :, i * bt : (i + 1) * bt] for i in wanted], dim=3)
+    assert loaded.missing_from_token is None and torch.equal(loaded.kv, expected)  # type: ignore[arg-type]
+    assert loaded.tokens_by_tier == {TierLevel.L3: len(wanted) * bt}
+    (plan,) = plans
+    holes = plan.iovs.reshape(len(wanted), -1, 2)[:, 0, 1]  # each record's hole before it
+    assert sorted(holes.tolist()) == [0, 0, 0, 0, RECORD, RECORD]
 
 
 def test_a_damaged_record_costs_only_its_own_block(open_store: Factory, tmp_path: Path) -> None:

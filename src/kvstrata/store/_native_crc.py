@@ -1,4 +1,5 @@
-"""CRC32C over the runs of a record read straight into place, in one native call
+"""The native helpers of restores read straight into place (``crc32c_runs.c``): the reads of all
+ranges in one call (:func:`preadv_ranges`), and the CRC32C over the runs of a record, in one call
 (``crc32c_runs.c``): 5.2 GB/s run by run through the ``crc32c`` package (one call and one release
 of the GIL per 16 KiB run), against one call per record here. The check of the last record of a
 restore is on its critical path (it can only start once that record is read). The same call
@@ -26,6 +27,10 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.kvs_crc32c_runs.restype = ctypes.c_uint32
     lib.kvs_crc32c_runs.argtypes = [
         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64
+    ]  # fmt: skip
+    lib.kvs_preadv_ranges.restype = ctypes.c_int64
+    lib.kvs_preadv_ranges.argtypes = [
+        ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
     ]  # fmt: skip
     return None
 
@@ -64,3 +69,32 @@ def crc32c_of(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
         if native is not None:
             return native
     return crc32c.crc32c(data, crc)
+
+
+NOT_READ = np.iinfo(np.int64).min
+"""``done[r]`` of a range :func:`preadv_ranges` has not read yet."""
+
+
+def preadv_ranges(
+    fd: int, offsets: np.ndarray, first: np.ndarray, iovs: np.ndarray, done: np.ndarray
+) -> bool:
+    """Read ranges of ``fd`` in one native call, the GIL released throughout: range ``r`` from
+    file offset ``offsets[r]`` into the buffers ``iovs[first[r]:first[r + 1]]`` (rows of
+    (address, length), uint64), then ``done[r]`` set to the bytes read or ``-errno`` (readers poll
+    it; :data:`NOT_READ` until then). False, reading nothing, when the library is not loaded. The
+    caller keeps every buffer alive until the call returns."""
+    lib = LIBRARY.loaded()
+    if lib is None:
+        return False
+    for array, dtype in ((offsets, np.int64), (first, np.int64), (iovs, np.uint64), (done, np.int64)):
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            raise ValueError(f"preadv_ranges takes contiguous {np.dtype(dtype)} arrays")
+    count = len(offsets)
+    if len(first) != count + 1 or len(done) != count or iovs.ndim != 2 or iovs.shape[1] != 2:
+        raise ValueError("preadv_ranges: first needs one more entry than offsets, done as many")
+    if count and not 0 <= int(first[0]) <= int(first[-1]) <= len(iovs):
+        raise ValueError("preadv_ranges: first points outside iovs")
+    lib.kvs_preadv_ranges(
+        fd, count, offsets.ctypes.data, first.ctypes.data, iovs.ctypes.data, done.ctypes.data
+    )  # fmt: skip
+    return True

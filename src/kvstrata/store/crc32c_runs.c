@@ -1,4 +1,6 @@
-/* CRC32C over many runs of one buffer in one call: the check of a record read straight into place.
+/* The native helpers of a restore read straight into place: CRC32C over many runs of one buffer in
+ * one call (the check of a record), and the reads of every range in one call (kvs_preadv_ranges,
+ * at the end of this file).
  *
  * A record read into its slices of a restore buffer lands as one run per K/V, layer and head
  * (16 KiB each for SmolLM2's 64-token blocks). Checked run by run from Python, each call pays its
@@ -10,8 +12,11 @@
  * The three-stream method and its zero-shift tables follow Mark Adler's crc32c.c (zlib licence,
  * https://stackoverflow.com/a/17646775). Same value as the `crc32c` package's crc32c(data, crc):
  * `crc` is a previous result (0 to start), the result is final (inverted). */
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -150,3 +155,41 @@ uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t 
 }
 
 #endif
+
+/* The reads of a restore straight into place, all in one call (ctypes releases the GIL for all of
+ * it): `count` ranges of file `fd`, range r from file offset offsets[r] into the buffers
+ * iovs[first[r] .. first[r + 1]) (headers and trailers to scratch, payload runs to their slices of
+ * the destination), one preadv after another, short reads continued. After each range, done[r]
+ * is published (release store): the bytes read, fewer only at the end of the file, or -errno.
+ * The caller's thread polls done[r] (INT64_MIN until then) and checks range r while the next ones
+ * are read: from Python, the reader had to get the GIL back from the checking thread after every
+ * read and made the next range's scatter list between two reads, and the disk waited. */
+#define KVS_IOV_MAX 1024
+
+int64_t kvs_preadv_ranges(int fd, int64_t count, const int64_t *offsets, const int64_t *first,
+                          const struct iovec *iovs, int64_t *done) {
+    struct iovec local[KVS_IOV_MAX];
+    for (int64_t r = 0; r < count; r++) {
+        int64_t i = first[r], end = first[r + 1], got = 0, result = 0;
+        size_t skip = 0; /* bytes of iovs[i] already filled */
+        while (i < end) {
+            int n = 0;
+            for (int64_t j = i; j < end && n < KVS_IOV_MAX; j++) local[n++] = iovs[j];
+            local[0].iov_base = (char *)local[0].iov_base + skip;
+            local[0].iov_len -= skip;
+            ssize_t now = preadv(fd, local, n, (off_t)(offsets[r] + got));
+            if (now < 0) {
+                if (errno == EINTR) continue;
+                result = -(int64_t)errno;
+                break;
+            }
+            if (now == 0) break; /* the end of the file */
+            got += now;
+            size_t left = (size_t)now + skip;
+            while (i < end && left >= iovs[i].iov_len) left -= iovs[i++].iov_len;
+            skip = left;
+        }
+        __atomic_store_n(&done[r], result < 0 ? result : got, __ATOMIC_RELEASE);
+    }
+    return count;
+}

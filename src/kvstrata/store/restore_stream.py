@@ -9,7 +9,13 @@ restore pool, which verifies each record in it (CRC32C, key, layout), decodes it
 the destination and accounts for the hit, while the next range is read. Exact records (the identity
 codec, unsealed) going into a CPU buffer are read straight into their slices of the destination
 with one scattered ``preadv`` per range (headers, trailers and holes into scratch), then checked
-in place: no buffer, no copy, as fast as a plain read of the file. A record that cannot be
+in place: no buffer, no copy. Where the native helpers are built, every range of such a restore
+is read by ONE native call on the pool (:class:`_NativeReads`: the scatter lists made with numpy
+in one go, no GIL from the first read to the last) while the caller's thread checks each range
+as soon as its read is published; from Python, the reader got the GIL back from the checking
+thread after every read and made the next scatter list between two reads, and the disk waited
+(1,024 SmolLM2 tokens: 34.8 -> 28.3 ms, a plain read of the file 28.7; 8,192: 269 -> 170 ms,
+alternated in one process). A record that cannot be
 served from its range (a segment compacted away meanwhile, a damaged record, a short file) is
 answered ``RETRY``: the restore reads it again the per-block way, which asks the index again,
 quarantines damage and falls back to L4.
@@ -17,11 +23,14 @@ quarantines damage and falls back to L4.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +43,7 @@ from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
-from kvstrata.store._native_crc import crc32c_runs
+from kvstrata.store._native_crc import LIBRARY, NOT_READ, crc32c_runs, preadv_ranges
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
@@ -54,14 +63,19 @@ from kvstrata.transfer import DeviceCopier, host_array
 @dataclass(slots=True)
 class _InPlace:
     """Where a record read straight into place landed: its header and trailer (scratch) and its
-    payload runs (slices of the destination)."""
+    payload runs (``run`` bytes at ``offset + rows[i]`` of the destination ``flat``)."""
 
     header: memoryview
-    runs: list[memoryview]
     trailer: memoryview
+    flat: memoryview
+    offset: int
     address: int
-    """Where its first run starts in memory (the runs lie at ``address + rows[i]``)."""
+    """Where its first run starts in memory (``flat``'s address + ``offset``)."""
     rows: np.ndarray
+    run: int
+
+    def runs(self) -> list[memoryview]:
+        return [self.flat[self.offset + row : self.offset + row + self.run] for row in self.rows.tolist()]
 
 
 if TYPE_CHECKING:
@@ -123,9 +137,11 @@ class SegmentStream:
         inference: bool,
     ) -> dict[int, object]:
         """Read ``extents`` range by range in this thread while the pool verifies and decodes the
-        ranges already read; per position, what ``Restorer.read_into`` would return, or ``RETRY``."""
+        ranges already read (exact records with the native helpers built: the pool reads, this
+        thread checks); per position, what ``Restorer.read_into`` would return, or ``RETRY``."""
         disk = self.restorer.tiered.disk
         token_bytes = self.restorer.layout.bytes_per_token
+        bt = self.restorer.layout.block_tokens
         scatter = self._may_scatter(buffer, copier)
         exact = scatter and all(
             e.placement.codec == CodecId.IDENTITY
@@ -152,6 +168,10 @@ class SegmentStream:
             reader needed back after its first read)."""
             if scatter:
                 scattered.update(self._scatter(chunks[i], rows, per_token, flat, address))
+
+        if exact and LIBRARY.loaded() is not None:  # every read in one native call, off the GIL
+            return self._read_native(chunks, _NativeReads(chunks, rows, per_token, bt, flat, address),
+                                     room, buffer, priority, inference)  # fmt: skip
 
         buffers = _take_buffers(0 if exact else STREAM_BUFFERS, max(c.end - c.start for c in chunks))
         results: dict[int, object] = {}
@@ -207,6 +227,43 @@ class SegmentStream:
             _give_back_buffers(buffers)
         if failures:
             raise failures[0]
+        return results
+
+    def _read_native(
+        self,
+        chunks: list[Chunk],
+        reads: _NativeReads,
+        room: Any,
+        buffer: torch.Tensor,
+        priority: Priority | None,
+        inference: bool,
+    ) -> dict[int, object]:
+        """Exact records straight into place, every range read by ONE native call on the pool
+        (``_native_crc.preadv_ranges``: no GIL from the first read to the last) while this thread
+        checks each range as soon as its read is published."""
+        disk = self.restorer.tiered.disk
+        results: dict[int, object] = {}
+        reader = self.restorer.executor().submit(reads.read_all)
+        try:
+            for r, chunk in enumerate(chunks):
+                got = reads.wait(r, reader)
+                if got < 0:  # gone (compacted, removed) or unreadable: the per-block path decides
+                    results.update((e.position, RETRY) for e in chunk.extents)
+                    continue
+                chunk.got = got
+                started = time.perf_counter()
+                hits: list[tuple[int, KVBlock, TierLevel]] = []
+                with torch.inference_mode(inference):
+                    for extent in chunk.extents:
+                        block = self._in_place(chunk, extent, reads.where[extent.position], room)
+                        if block is None:
+                            results[extent.position] = RETRY
+                        else:
+                            hits.append((extent.position, block, disk.level))
+                    if hits:
+                        results.update(self.restorer.account_hits(hits, buffer, priority, started))
+        finally:
+            reader.result()  # the destination is written until the last read returns
         return results
 
     def _from_chunk(self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier) -> KVBlock | None:
@@ -278,7 +335,7 @@ class SegmentStream:
             iov.append(header)
             iov += runs
             iov.append(trailer)
-            where[extent.position] = _InPlace(header, runs, trailer, address + first, rows)
+            where[extent.position] = _InPlace(header, trailer, flat, first, address + first, rows, run)
             at = extent.offset + extent.placement.nbytes
         chunk.scatter = iov
         return where
@@ -295,11 +352,11 @@ class SegmentStream:
         except CorruptBlockError:
             return None
         crc = crc32c.crc32c(where.header)
-        native = crc32c_runs(crc, where.address, where.rows, len(where.runs[0])) if where.runs else None
+        native = crc32c_runs(crc, where.address, where.rows, where.run) if where.run else None
         if native is not None:
             crc = native
         else:
-            for run in where.runs:  # the GIL released for every run, small ones too: the reader waits less
+            for run in where.runs():  # the GIL released for every run, small ones too: the reader waits less
                 crc = crc32c.crc32c(run, crc, _RELEASE_GIL)
         if (
             header.key != extent.key
@@ -315,6 +372,93 @@ class SegmentStream:
         restorer.tiered.disk.index.blocks.note_access(extent.key, time.time())
         tensor = room(extent.position).narrow(3, 0, header.num_tokens)  # narrow: half a slice's cost
         return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
+
+
+_POLL_S = 50e-6
+"""How long the checking thread sleeps while the range it waits for is still being read."""
+
+
+class _NativeReads:
+    """The scatter lists of every range of an in-place restore as one array of ``struct iovec``
+    (address, length), made with numpy in one go: per record its hole before it (to a shared
+    scratch), its header, one run per K/V, layer and head (to its slices of the destination), its
+    trailer; and ``done``, where the native loop publishes each range's read."""
+
+    def __init__(
+        self, chunks: list[Chunk], rows: np.ndarray, per_token: int, bt: int, flat: memoryview, address: int
+    ) -> None:
+        self.chunks = chunks
+        extents = [e for c in chunks for e in c.extents]
+        count = len(extents)
+        framing = HEADER_BYTES + TRAILER_BYTES
+        offsets = np.fromiter((e.offset for e in extents), np.int64, count)
+        ends = offsets + np.fromiter((e.placement.nbytes for e in extents), np.int64, count)
+        tokens = np.fromiter((e.placement.num_tokens for e in extents), np.int64, count)
+        firsts = np.fromiter((e.position for e in extents), np.int64, count) * (bt * per_token)
+        sizes = [len(c.extents) for c in chunks]
+        starts = np.cumsum([0, *sizes])[:-1]
+        previous_end = np.concatenate([[0], ends[:-1]])
+        previous_end[starts] = [c.start for c in chunks]  # a range starts at its first record
+        gaps = offsets - previous_end
+        self.headers = np.zeros(count * framing, dtype=np.uint8)
+        self._hole = np.zeros(max(1, int(gaps.max(initial=0))), dtype=np.uint8)
+        header_at = self.headers.ctypes.data + np.arange(count, dtype=np.int64) * framing
+        width = len(rows) + 3  # hole, header, runs, trailer
+        iovs = np.empty((count, width, 2), dtype=np.uint64)
+        iovs[:, 0, 0] = self._hole.ctypes.data
+        iovs[:, 0, 1] = gaps
+        iovs[:, 1, 0] = header_at
+        iovs[:, 1, 1] = HEADER_BYTES
+        iovs[:, 2:-1, 0] = address + firsts[:, None] + rows[None, :]
+        iovs[:, 2:-1, 1] = (tokens * per_token)[:, None]
+        iovs[:, -1, 0] = header_at + HEADER_BYTES
+        iovs[:, -1, 1] = TRAILER_BYTES
+        self.iovs = iovs.reshape(-1, 2)
+        self.first = np.append(starts, count).astype(np.int64) * width
+        self.offsets = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        self.done = np.full(len(chunks), NOT_READ, dtype=np.int64)
+        view = memoryview(self.headers)
+        self.where = {
+            e.position: _InPlace(
+                view[k * framing : k * framing + HEADER_BYTES],
+                view[k * framing + HEADER_BYTES : (k + 1) * framing],
+                flat,
+                int(firsts[k]),
+                address + int(firsts[k]),
+                rows,
+                int(tokens[k]) * per_token,
+            )
+            for k, e in enumerate(extents)
+        }
+
+    def read_all(self) -> None:
+        """Read every range, one segment file open at a time (in the pool: no GIL held)."""
+        start = 0
+        while start < len(self.chunks):
+            path = self.chunks[start].path
+            stop = start
+            while stop < len(self.chunks) and self.chunks[stop].path == path:
+                stop += 1
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                self.done[start:stop] = -(exc.errno or errno.EIO)
+            else:
+                first, done = self.first[start : stop + 1], self.done[start:stop]
+                try:
+                    preadv_ranges(fd, self.offsets[start:stop], first, self.iovs, done)
+                finally:
+                    os.close(fd)
+            start = stop
+
+    def wait(self, r: int, reader: Future[None]) -> int:
+        """Range ``r``'s bytes read (or ``-errno``), once the native loop has published it."""
+        while (got := int(self.done[r])) == NOT_READ:
+            if reader.done():  # it stopped without reading r: its error, or r cannot be read
+                reader.result()
+                return -errno.EIO
+            time.sleep(_POLL_S)
+        return got
 
 
 def _take_buffers(count: int, size: int) -> queue.Queue[bytearray]:
