@@ -97,8 +97,16 @@ def test_preadv_ranges_reads_every_range_into_its_buffers(tmp_path: Path) -> Non
     first, iovs = _ranges(buffers)
     done = np.full(3, _native_crc.NOT_READ, dtype=np.int64)
     fd = os.open(path, os.O_RDONLY)
+    fds = np.full(3, fd, dtype=np.int64)
     try:
-        assert _native_crc.preadv_ranges(fd, offsets, first, iovs, done)
+        assert _native_crc.preadv_ranges(fds, offsets, first, iovs, done)
+        assert done.tolist() == [92 + 16384 + 4, 2500 * 7, 10]
+        for buffer in (b for per_range in buffers for b in per_range):
+            buffer[:] = 0
+        done[:] = _native_crc.NOT_READ
+        handle = _native_crc.start_preadv_ranges(fds, offsets, first, iovs, done)  # on a thread
+        assert handle is not None
+        _native_crc.join_preadv_ranges(handle)
     finally:
         os.close(fd)
     assert done.tolist() == [92 + 16384 + 4, 2500 * 7, 10]
@@ -110,20 +118,21 @@ def test_preadv_ranges_reads_every_range_into_its_buffers(tmp_path: Path) -> Non
 
 def test_preadv_ranges_reports_an_error_per_range_and_checks_its_arguments(tmp_path: Path) -> None:
     _lib()
-    buffers = [[np.zeros(8, dtype=np.uint8)], [np.zeros(8, dtype=np.uint8)]]
+    buffers = [[np.zeros(8, dtype=np.uint8)], [np.zeros(8, dtype=np.uint8)], [np.zeros(8, dtype=np.uint8)]]
     first, iovs = _ranges(buffers)
-    offsets = np.zeros(2, dtype=np.int64)
-    done = np.full(2, _native_crc.NOT_READ, dtype=np.int64)
-    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: every read fails
+    offsets = np.zeros(3, dtype=np.int64)
+    done = np.full(3, _native_crc.NOT_READ, dtype=np.int64)
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: its reads fail
+    fds = np.array([fd, -errno.ENOENT, fd], dtype=np.int64)  # the second: a file that could not be opened
     try:
-        _native_crc.preadv_ranges(fd, offsets, first, iovs, done)
-        assert done.tolist() == [-errno.EISDIR, -errno.EISDIR]
+        _native_crc.preadv_ranges(fds, offsets, first, iovs, done)
+        assert done.tolist() == [-errno.EISDIR, -errno.ENOENT, -errno.EISDIR]
         with pytest.raises(ValueError, match="int64"):
-            _native_crc.preadv_ranges(fd, offsets.astype(np.int32), first, iovs, done)
+            _native_crc.preadv_ranges(fds, offsets.astype(np.int32), first, iovs, done)
         with pytest.raises(ValueError, match="one more entry"):
-            _native_crc.preadv_ranges(fd, offsets, first[:-1], iovs, done)
+            _native_crc.preadv_ranges(fds, offsets, first[:-1], iovs, done)
         with pytest.raises(ValueError, match="outside"):
-            _native_crc.preadv_ranges(fd, offsets, first + 1, iovs, done)
+            _native_crc.preadv_ranges(fds, offsets, first + 1, iovs, done)
     finally:
         os.close(fd)
 
@@ -146,17 +155,18 @@ def test_turned_off_it_is_not_built_and_says_why(monkeypatch: pytest.MonkeyPatch
 def test_an_in_place_restore_checks_every_record_and_finds_damage(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch, native: bool, reads: str
 ) -> None:
-    """Whichever thread reads (the native loop, or Python's ``preadv`` range by range) and
-    whichever code checks (one native call per record, or the package run by run)."""
+    """Whichever thread reads (the native loop on a thread of its own, or Python's ``preadv``
+    range by range) and whichever code checks (one native call per record, or the package run by
+    run), every record is checked and damage found."""
     _lib()
-    looped: list[int] = []
-    loop = restore_stream.preadv_ranges
+    looped: list[np.ndarray] = []
+    loop = restore_stream.start_preadv_ranges
 
     def counted_loop(*args):  # type: ignore[no-untyped-def]
-        looped.append(1)
+        looped.append(args[0])
         return loop(*args)
 
-    monkeypatch.setattr(restore_stream, "preadv_ranges", counted_loop)
+    monkeypatch.setattr(restore_stream, "start_preadv_ranges", counted_loop)
     if reads == "python":
         never_built = NativeLibrary("off", Path("/nonexistent.c"), [], _native_crc._setup)
         monkeypatch.setattr(restore_stream, "LIBRARY", never_built)  # the reads stay in Python
@@ -176,7 +186,7 @@ def test_an_in_place_restore_checks_every_record_and_finds_damage(
     loaded = store.load(store.session("s"))
     assert loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
     assert len(calls) == 6  # every record was checked in place
-    assert bool(looped) == (reads == "native")
+    assert len(looped) == (1 if reads == "native" else 0)  # one native call read every range
 
     flip_byte(store, session.block_keys[4], at=HEADER_BYTES + LAYOUT.bytes_per_block // 2)  # in a run
     damaged = store.load(store.session("s"))

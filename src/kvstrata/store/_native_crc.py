@@ -28,14 +28,18 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.kvs_crc32c_runs.argtypes = [
         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64
     ]  # fmt: skip
+    # fds, count, offsets, first, iovs, done
+    ranges = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 4]
     lib.kvs_preadv_ranges.restype = ctypes.c_int64
-    lib.kvs_preadv_ranges.argtypes = [
-        ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-    ]  # fmt: skip
+    lib.kvs_preadv_ranges.argtypes = ranges
+    lib.kvs_preadv_ranges_start.restype = ctypes.c_void_p
+    lib.kvs_preadv_ranges_start.argtypes = ranges
+    lib.kvs_preadv_ranges_join.restype = None
+    lib.kvs_preadv_ranges_join.argtypes = [ctypes.c_void_p]
     return None
 
 
-LIBRARY = NativeLibrary("crc32c_runs", Path(__file__).with_name("crc32c_runs.c"), ["-O3"], _setup)
+LIBRARY = NativeLibrary("crc32c_runs", Path(__file__).with_name("crc32c_runs.c"), ["-O3", "-pthread"], _setup)
 
 
 def crc32c_runs(crc: int, base: int, offsets: np.ndarray, run: int) -> int | None:
@@ -75,26 +79,62 @@ NOT_READ = np.iinfo(np.int64).min
 """``done[r]`` of a range :func:`preadv_ranges` has not read yet."""
 
 
+def _checked(
+    fds: np.ndarray, offsets: np.ndarray, first: np.ndarray, iovs: np.ndarray, done: np.ndarray
+) -> list[int]:
+    arrays = [(fds, np.int64), (offsets, np.int64), (first, np.int64), (iovs, np.uint64), (done, np.int64)]
+    for array, dtype in arrays:
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            raise ValueError(f"preadv_ranges takes contiguous {np.dtype(dtype)} arrays")
+    count = len(offsets)
+    if len(first) != count + 1 or len(done) != count or len(fds) != count:
+        raise ValueError("preadv_ranges: first needs one more entry than offsets, fds and done as many")
+    inside = not count or 0 <= int(first[0]) <= int(first[-1]) <= len(iovs)
+    if iovs.ndim != 2 or iovs.shape[1] != 2 or not inside:
+        raise ValueError("preadv_ranges: first points outside iovs (rows of address, length)")
+    pointers = [array.ctypes.data for array in (fds, offsets, first, iovs, done)]
+    return [pointers[0], count, *pointers[1:]]
+
+
 def preadv_ranges(
-    fd: int, offsets: np.ndarray, first: np.ndarray, iovs: np.ndarray, done: np.ndarray
+    fds: np.ndarray,
+    offsets: np.ndarray,
+    first: np.ndarray,
+    iovs: np.ndarray,
+    done: np.ndarray,
 ) -> bool:
-    """Read ranges of ``fd`` in one native call, the GIL released throughout: range ``r`` from
-    file offset ``offsets[r]`` into the buffers ``iovs[first[r]:first[r + 1]]`` (rows of
-    (address, length), uint64), then ``done[r]`` set to the bytes read or ``-errno`` (readers poll
-    it; :data:`NOT_READ` until then). False, reading nothing, when the library is not loaded. The
+    """Read ranges in one native call, the GIL released throughout: range ``r`` of file
+    descriptor ``fds[r]`` (or ``-errno``: its file could not be opened) from file offset
+    ``offsets[r]`` into the buffers ``iovs[first[r]:first[r + 1]]`` (rows of (address, length),
+    uint64), then ``done[r]`` set to the bytes read or ``-errno`` (readers poll it;
+    :data:`NOT_READ` until then). False, reading nothing, when the library is not loaded. The
     caller keeps every buffer alive until the call returns."""
     lib = LIBRARY.loaded()
     if lib is None:
         return False
-    for array, dtype in ((offsets, np.int64), (first, np.int64), (iovs, np.uint64), (done, np.int64)):
-        if array.dtype != dtype or not array.flags.c_contiguous:
-            raise ValueError(f"preadv_ranges takes contiguous {np.dtype(dtype)} arrays")
-    count = len(offsets)
-    if len(first) != count + 1 or len(done) != count or iovs.ndim != 2 or iovs.shape[1] != 2:
-        raise ValueError("preadv_ranges: first needs one more entry than offsets, done as many")
-    if count and not 0 <= int(first[0]) <= int(first[-1]) <= len(iovs):
-        raise ValueError("preadv_ranges: first points outside iovs")
-    lib.kvs_preadv_ranges(
-        fd, count, offsets.ctypes.data, first.ctypes.data, iovs.ctypes.data, done.ctypes.data
-    )  # fmt: skip
+    lib.kvs_preadv_ranges(*_checked(fds, offsets, first, iovs, done))
     return True
+
+
+def start_preadv_ranges(
+    fds: np.ndarray,
+    offsets: np.ndarray,
+    first: np.ndarray,
+    iovs: np.ndarray,
+    done: np.ndarray,
+) -> int | None:
+    """:func:`preadv_ranges` on a native thread of its own, returning at once: a handle for
+    :func:`join_preadv_ranges` (which the caller must call, and keep every array and buffer alive
+    until then), or None when the library is not loaded or no thread could be started."""
+    lib = LIBRARY.loaded()
+    if lib is None:
+        return None
+    handle: int | None = lib.kvs_preadv_ranges_start(*_checked(fds, offsets, first, iovs, done))
+    return handle
+
+
+def join_preadv_ranges(handle: int) -> None:
+    """Wait for the reads :func:`start_preadv_ranges` began (the GIL released) and free them."""
+    lib = LIBRARY.loaded()
+    assert lib is not None, "a handle comes from a loaded library"
+    lib.kvs_preadv_ranges_join(handle)

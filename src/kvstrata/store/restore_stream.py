@@ -23,15 +23,16 @@ quarantines damage and falls back to L4.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import crc32c
@@ -43,7 +44,14 @@ from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
-from kvstrata.store._native_crc import LIBRARY, NOT_READ, crc32c_runs, preadv_ranges
+from kvstrata.store._native_crc import (
+    LIBRARY,
+    NOT_READ,
+    crc32c_runs,
+    join_preadv_ranges,
+    preadv_ranges,
+    start_preadv_ranges,
+)
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
@@ -238,32 +246,29 @@ class SegmentStream:
         priority: Priority | None,
         inference: bool,
     ) -> dict[int, object]:
-        """Exact records straight into place, every range read by ONE native call on the pool
-        (``_native_crc.preadv_ranges``: no GIL from the first read to the last) while this thread
-        checks each range as soon as its read is published."""
+        """Exact records straight into place: every range is read by ONE native call on a native
+        thread of its own (``_native_crc.start_preadv_ranges``: no GIL from the first read to the
+        last, no Python thread to wake before the first) while this thread checks each range as
+        soon as its read is published."""
         disk = self.restorer.tiered.disk
         results: dict[int, object] = {}
-        reader = self.restorer.executor().submit(reads.read_all)
-        try:
+        with reads.reading(), torch.inference_mode(inference):
             for r, chunk in enumerate(chunks):
-                got = reads.wait(r, reader)
+                got = reads.wait(r)
                 if got < 0:  # gone (compacted, removed) or unreadable: the per-block path decides
                     results.update((e.position, RETRY) for e in chunk.extents)
                     continue
                 chunk.got = got
                 started = time.perf_counter()
                 hits: list[tuple[int, KVBlock, TierLevel]] = []
-                with torch.inference_mode(inference):
-                    for extent in chunk.extents:
-                        block = self._in_place(chunk, extent, reads.where[extent.position], room)
-                        if block is None:
-                            results[extent.position] = RETRY
-                        else:
-                            hits.append((extent.position, block, disk.level))
-                    if hits:
-                        results.update(self.restorer.account_hits(hits, buffer, priority, started))
-        finally:
-            reader.result()  # the destination is written until the last read returns
+                for extent in chunk.extents:
+                    block = self._in_place(chunk, extent, reads.where(extent), room)
+                    if block is None:
+                        results[extent.position] = RETRY
+                    else:
+                        hits.append((extent.position, block, disk.level))
+                if hits:
+                    results.update(self.restorer.account_hits(hits, buffer, priority, started))
         return results
 
     def _from_chunk(self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier) -> KVBlock | None:
@@ -352,7 +357,7 @@ class SegmentStream:
         except CorruptBlockError:
             return None
         crc = crc32c.crc32c(where.header)
-        native = crc32c_runs(crc, where.address, where.rows, where.run) if where.run else None
+        native = crc32c_runs(crc, where.address, where.rows, where.run)
         if native is not None:
             crc = native
         else:
@@ -387,14 +392,14 @@ class _NativeReads:
     def __init__(
         self, chunks: list[Chunk], rows: np.ndarray, per_token: int, bt: int, flat: memoryview, address: int
     ) -> None:
-        self.chunks = chunks
+        self.chunks, self.rows, self.per_token, self.flat = chunks, rows, per_token, flat
         extents = [e for c in chunks for e in c.extents]
         count = len(extents)
         framing = HEADER_BYTES + TRAILER_BYTES
         offsets = np.fromiter((e.offset for e in extents), np.int64, count)
         ends = offsets + np.fromiter((e.placement.nbytes for e in extents), np.int64, count)
-        tokens = np.fromiter((e.placement.num_tokens for e in extents), np.int64, count)
-        firsts = np.fromiter((e.position for e in extents), np.int64, count) * (bt * per_token)
+        self.tokens = np.fromiter((e.placement.num_tokens for e in extents), np.int64, count)
+        self.firsts = np.fromiter((e.position for e in extents), np.int64, count) * (bt * per_token)
         sizes = [len(c.extents) for c in chunks]
         starts = np.cumsum([0, *sizes])[:-1]
         previous_end = np.concatenate([[0], ends[:-1]])
@@ -409,55 +414,67 @@ class _NativeReads:
         iovs[:, 0, 1] = gaps
         iovs[:, 1, 0] = header_at
         iovs[:, 1, 1] = HEADER_BYTES
-        iovs[:, 2:-1, 0] = address + firsts[:, None] + rows[None, :]
-        iovs[:, 2:-1, 1] = (tokens * per_token)[:, None]
+        iovs[:, 2:-1, 0] = address + self.firsts[:, None] + rows[None, :]
+        iovs[:, 2:-1, 1] = (self.tokens * per_token)[:, None]
         iovs[:, -1, 0] = header_at + HEADER_BYTES
         iovs[:, -1, 1] = TRAILER_BYTES
         self.iovs = iovs.reshape(-1, 2)
         self.first = np.append(starts, count).astype(np.int64) * width
         self.offsets = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
         self.done = np.full(len(chunks), NOT_READ, dtype=np.int64)
-        view = memoryview(self.headers)
-        self.where = {
-            e.position: _InPlace(
-                view[k * framing : k * framing + HEADER_BYTES],
-                view[k * framing + HEADER_BYTES : (k + 1) * framing],
-                flat,
-                int(firsts[k]),
-                address + int(firsts[k]),
-                rows,
-                int(tokens[k]) * per_token,
-            )
-            for k, e in enumerate(extents)
-        }
+        self.address = address
+        self._index = {e.position: k for k, e in enumerate(extents)}
 
-    def read_all(self) -> None:
-        """Read every range, one segment file open at a time (in the pool: no GIL held)."""
-        start = 0
-        while start < len(self.chunks):
-            path = self.chunks[start].path
-            stop = start
-            while stop < len(self.chunks) and self.chunks[stop].path == path:
-                stop += 1
+    def where(self, extent: Extent) -> _InPlace:
+        """Where ``extent``'s record landed (made by the checking thread, off the reads' path)."""
+        k = self._index[extent.position]
+        framing = HEADER_BYTES + TRAILER_BYTES
+        headers = memoryview(self.headers)
+        first = int(self.firsts[k])
+        return _InPlace(
+            headers[k * framing : k * framing + HEADER_BYTES],
+            headers[k * framing + HEADER_BYTES : (k + 1) * framing],
+            self.flat,
+            first,
+            self.address + first,
+            self.rows,
+            int(self.tokens[k]) * self.per_token,
+        )
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Open the ranges' files and read them on a native thread while the body checks them;
+        on the way out, wait for the last read (the destination is written until then)."""
+        fds = np.empty(len(self.chunks), dtype=np.int64)
+        opened: dict[Path, int] = {}
+        try:
+            for r, chunk in enumerate(self.chunks):
+                if chunk.path not in opened:
+                    try:
+                        opened[chunk.path] = os.open(chunk.path, os.O_RDONLY)
+                    except OSError as exc:  # compacted away, removed: those ranges fail alone
+                        opened[chunk.path] = -(exc.errno or errno.EIO)
+                fds[r] = opened[chunk.path]
+            plan = (fds, self.offsets, self.first, self.iovs, self.done)
+            handle = start_preadv_ranges(*plan)
+            if handle is None and not preadv_ranges(*plan):  # no thread: read here, then check
+                self.done[:] = -errno.EIO
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                self.done[start:stop] = -(exc.errno or errno.EIO)
-            else:
-                first, done = self.first[start : stop + 1], self.done[start:stop]
-                try:
-                    preadv_ranges(fd, self.offsets[start:stop], first, self.iovs, done)
-                finally:
+                yield
+            finally:
+                if handle is not None:
+                    join_preadv_ranges(handle)
+        finally:
+            for fd in opened.values():
+                if fd >= 0:
                     os.close(fd)
-            start = stop
 
-    def wait(self, r: int, reader: Future[None]) -> int:
-        """Range ``r``'s bytes read (or ``-errno``), once the native loop has published it."""
+    def wait(self, r: int) -> int:
+        """Range ``r``'s bytes read (or ``-errno``), once the native loop has published it: polled
+        every ``_POLL_S``, the last range without sleeping (the restore ends with its check)."""
+        pause = 0.0 if r == len(self.chunks) - 1 else _POLL_S
         while (got := int(self.done[r])) == NOT_READ:
-            if reader.done():  # it stopped without reading r: its error, or r cannot be read
-                reader.result()
-                return -errno.EIO
-            time.sleep(_POLL_S)
+            time.sleep(pause)
         return got
 
 
