@@ -18,7 +18,7 @@ import torch
 from kvstrata import KVStore
 from kvstrata.native import ENV
 from kvstrata.native.library import NativeLibrary
-from kvstrata.store import _native_crc, restore_stream
+from kvstrata.store import _native_crc, in_place, restore_stream
 from kvstrata.store.kvbin import HEADER_BYTES
 
 from conftest import LAYOUT, token_kv
@@ -160,13 +160,13 @@ def test_an_in_place_restore_checks_every_record_and_finds_damage(
     run), every record is checked and damage found."""
     _lib()
     looped: list[np.ndarray] = []
-    loop = restore_stream.start_preadv_ranges
+    loop = in_place.start_preadv_ranges
 
     def counted_loop(*args):  # type: ignore[no-untyped-def]
         looped.append(args[0])
         return loop(*args)
 
-    monkeypatch.setattr(restore_stream, "start_preadv_ranges", counted_loop)
+    monkeypatch.setattr(in_place, "start_preadv_ranges", counted_loop)
     if reads == "python":
         never_built = NativeLibrary("off", Path("/nonexistent.c"), [], _native_crc._setup)
         monkeypatch.setattr(restore_stream, "LIBRARY", never_built)  # the reads stay in Python

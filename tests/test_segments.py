@@ -94,18 +94,18 @@ def test_a_chain_across_holes_is_read_in_place_by_the_native_loop(
 ) -> None:
     """Records with deleted ones between them: the native read loop reads through the holes (to
     scratch) and every record lands in its slice, checked."""
-    from kvstrata.store import _native_crc, restore_stream
+    from kvstrata.store import _native_crc, in_place, restore_stream
 
     if _native_crc.LIBRARY.load(timeout=120) is None:
         pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
-    plans: list[restore_stream._NativeReads] = []
-    native_reads = restore_stream._NativeReads
+    plans: list[in_place.NativeReads] = []
+    native_reads = in_place.NativeReads
 
     def kept(*args):  # type: ignore[no-untyped-def]
         plans.append(native_reads(*args))
         return plans[-1]
 
-    monkeypatch.setattr(restore_stream, "_NativeReads", kept)
+    monkeypatch.setattr(restore_stream, "NativeReads", kept)
     store = _disk_only(open_store)
     tokens = _fill(store, "s", 0, 8)
     keys = store.session("s").block_keys

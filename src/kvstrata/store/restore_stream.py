@@ -10,7 +10,7 @@ the destination and accounts for the hit, while the next range is read. Exact re
 codec, unsealed) going into a CPU buffer are read straight into their slices of the destination
 with one scattered ``preadv`` per range (headers, trailers and holes into scratch), then checked
 in place: no buffer, no copy. Where the native helpers are built, every range of such a restore
-is read by ONE native call on the pool (:class:`_NativeReads`: the scatter lists made with numpy
+is read by ONE native call on the pool (:class:`NativeReads`: the scatter lists made with numpy
 in one go, no GIL from the first read to the last) while the caller's thread checks each range
 as soon as its read is published; from Python, the reader got the GIL back from the checking
 thread after every read and made the next scatter list between two reads, and the disk waited
@@ -23,16 +23,11 @@ quarantines damage and falls back to L4.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import crc32c
@@ -44,16 +39,10 @@ from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
-from kvstrata.store._native_crc import (
-    LIBRARY,
-    NOT_READ,
-    crc32c_runs,
-    join_preadv_ranges,
-    preadv_ranges,
-    start_preadv_ranges,
-)
+from kvstrata.store._native_crc import LIBRARY, crc32c_runs
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
+from kvstrata.store.in_place import InPlace, NativeReads
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.segment_reads import (
@@ -66,25 +55,6 @@ from kvstrata.store.tiers.segment_reads import (
     read_chunks,
 )
 from kvstrata.transfer import DeviceCopier, host_array
-
-
-@dataclass(slots=True)
-class _InPlace:
-    """Where a record read straight into place landed: its header and trailer (scratch) and its
-    payload runs (``run`` bytes at ``offset + rows[i]`` of the destination ``flat``)."""
-
-    header: memoryview
-    trailer: memoryview
-    flat: memoryview
-    offset: int
-    address: int
-    """Where its first run starts in memory (``flat``'s address + ``offset``)."""
-    rows: np.ndarray
-    run: int
-
-    def runs(self) -> list[memoryview]:
-        return [self.flat[self.offset + row : self.offset + row + self.run] for row in self.rows.tolist()]
-
 
 if TYPE_CHECKING:
     from kvstrata.store.restore import Restorer
@@ -161,7 +131,7 @@ class SegmentStream:
         # read in place, a range needs no buffer: larger ranges, fewer gaps between reads
         chunk_bytes = in_place_chunk_bytes(extents) if exact else buffered_chunk_bytes(extents)
         chunks = plan_chunks(extents, paths, chunk_bytes, taper=exact)
-        scattered: dict[int, _InPlace] = {}
+        scattered: dict[int, InPlace] = {}
         if scatter:
             array = host_array(buffer).reshape(-1)
             flat = memoryview(array).cast("B")
@@ -178,7 +148,7 @@ class SegmentStream:
                 scattered.update(self._scatter(chunks[i], rows, per_token, flat, address))
 
         if exact and LIBRARY.loaded() is not None:  # every read in one native call, off the GIL
-            return self._read_native(chunks, _NativeReads(chunks, rows, per_token, bt, flat, address),
+            return self._read_native(chunks, NativeReads(chunks, rows, per_token, bt, flat, address),
                                      room, buffer, priority, inference)  # fmt: skip
 
         buffers = _take_buffers(0 if exact else STREAM_BUFFERS, max(c.end - c.start for c in chunks))
@@ -240,7 +210,7 @@ class SegmentStream:
     def _read_native(
         self,
         chunks: list[Chunk],
-        reads: _NativeReads,
+        reads: NativeReads,
         room: Any,
         buffer: torch.Tensor,
         priority: Priority | None,
@@ -304,7 +274,7 @@ class SegmentStream:
 
     def _scatter(
         self, chunk: Chunk, rows: np.ndarray, per_token: int, flat: memoryview, address: int
-    ) -> dict[int, _InPlace]:
+    ) -> dict[int, InPlace]:
         """Give ``chunk`` a scatter list when every record in it is exact (identity codec, no
         params): each record's payload runs (one per K/V, layer and head: ``rows`` are their
         offsets in the destination ``flat``) go to their slices of the destination; its header,
@@ -324,7 +294,7 @@ class SegmentStream:
         scratch = memoryview(bytearray(chunk.end - chunk.start - payload))
         used = 0
         iov: list[memoryview] = []
-        where: dict[int, _InPlace] = {}
+        where: dict[int, InPlace] = {}
         at = chunk.start
         for extent in chunk.extents:
             gap = extent.offset - at
@@ -340,12 +310,12 @@ class SegmentStream:
             iov.append(header)
             iov += runs
             iov.append(trailer)
-            where[extent.position] = _InPlace(header, trailer, flat, first, address + first, rows, run)
+            where[extent.position] = InPlace(header, trailer, flat, first, address + first, rows, run)
             at = extent.offset + extent.placement.nbytes
         chunk.scatter = iov
         return where
 
-    def _in_place(self, chunk: Chunk, extent: Extent, where: _InPlace, room: Any) -> KVBlock | None:
+    def _in_place(self, chunk: Chunk, extent: Extent, where: InPlace, room: Any) -> KVBlock | None:
         """Check a record read straight into place (header fields, CRC32C over the slices it
         landed in); None when it is not the record the index promised (the per-block read then
         quarantines it, or finds where it went)."""
@@ -377,105 +347,6 @@ class SegmentStream:
         restorer.tiered.disk.index.blocks.note_access(extent.key, time.time())
         tensor = room(extent.position).narrow(3, 0, header.num_tokens)  # narrow: half a slice's cost
         return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
-
-
-_POLL_S = 50e-6
-"""How long the checking thread sleeps while the range it waits for is still being read."""
-
-
-class _NativeReads:
-    """The scatter lists of every range of an in-place restore as one array of ``struct iovec``
-    (address, length), made with numpy in one go: per record its hole before it (to a shared
-    scratch), its header, one run per K/V, layer and head (to its slices of the destination), its
-    trailer; and ``done``, where the native loop publishes each range's read."""
-
-    def __init__(
-        self, chunks: list[Chunk], rows: np.ndarray, per_token: int, bt: int, flat: memoryview, address: int
-    ) -> None:
-        self.chunks, self.rows, self.per_token, self.flat = chunks, rows, per_token, flat
-        extents = [e for c in chunks for e in c.extents]
-        count = len(extents)
-        framing = HEADER_BYTES + TRAILER_BYTES
-        offsets = np.fromiter((e.offset for e in extents), np.int64, count)
-        ends = offsets + np.fromiter((e.placement.nbytes for e in extents), np.int64, count)
-        self.tokens = np.fromiter((e.placement.num_tokens for e in extents), np.int64, count)
-        self.firsts = np.fromiter((e.position for e in extents), np.int64, count) * (bt * per_token)
-        sizes = [len(c.extents) for c in chunks]
-        starts = np.cumsum([0, *sizes])[:-1]
-        previous_end = np.concatenate([[0], ends[:-1]])
-        previous_end[starts] = [c.start for c in chunks]  # a range starts at its first record
-        gaps = offsets - previous_end
-        self.headers = np.zeros(count * framing, dtype=np.uint8)
-        self._hole = np.zeros(max(1, int(gaps.max(initial=0))), dtype=np.uint8)
-        header_at = self.headers.ctypes.data + np.arange(count, dtype=np.int64) * framing
-        width = len(rows) + 3  # hole, header, runs, trailer
-        iovs = np.empty((count, width, 2), dtype=np.uint64)
-        iovs[:, 0, 0] = self._hole.ctypes.data
-        iovs[:, 0, 1] = gaps
-        iovs[:, 1, 0] = header_at
-        iovs[:, 1, 1] = HEADER_BYTES
-        iovs[:, 2:-1, 0] = address + self.firsts[:, None] + rows[None, :]
-        iovs[:, 2:-1, 1] = (self.tokens * per_token)[:, None]
-        iovs[:, -1, 0] = header_at + HEADER_BYTES
-        iovs[:, -1, 1] = TRAILER_BYTES
-        self.iovs = iovs.reshape(-1, 2)
-        self.first = np.append(starts, count).astype(np.int64) * width
-        self.offsets = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
-        self.done = np.full(len(chunks), NOT_READ, dtype=np.int64)
-        self.address = address
-        self._index = {e.position: k for k, e in enumerate(extents)}
-
-    def where(self, extent: Extent) -> _InPlace:
-        """Where ``extent``'s record landed (made by the checking thread, off the reads' path)."""
-        k = self._index[extent.position]
-        framing = HEADER_BYTES + TRAILER_BYTES
-        headers = memoryview(self.headers)
-        first = int(self.firsts[k])
-        return _InPlace(
-            headers[k * framing : k * framing + HEADER_BYTES],
-            headers[k * framing + HEADER_BYTES : (k + 1) * framing],
-            self.flat,
-            first,
-            self.address + first,
-            self.rows,
-            int(self.tokens[k]) * self.per_token,
-        )
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Open the ranges' files and read them on a native thread while the body checks them;
-        on the way out, wait for the last read (the destination is written until then)."""
-        fds = np.empty(len(self.chunks), dtype=np.int64)
-        opened: dict[Path, int] = {}
-        try:
-            for r, chunk in enumerate(self.chunks):
-                if chunk.path not in opened:
-                    try:
-                        opened[chunk.path] = os.open(chunk.path, os.O_RDONLY)
-                    except OSError as exc:  # compacted away, removed: those ranges fail alone
-                        opened[chunk.path] = -(exc.errno or errno.EIO)
-                fds[r] = opened[chunk.path]
-            plan = (fds, self.offsets, self.first, self.iovs, self.done)
-            handle = start_preadv_ranges(*plan)
-            if handle is None and not preadv_ranges(*plan):  # no thread: read here, then check
-                self.done[:] = -errno.EIO
-            try:
-                yield
-            finally:
-                if handle is not None:
-                    join_preadv_ranges(handle)
-        finally:
-            for fd in opened.values():
-                if fd >= 0:
-                    os.close(fd)
-
-    def wait(self, r: int) -> int:
-        """Range ``r``'s bytes read (or ``-errno``), once the native loop has published it: polled
-        every ``_POLL_S``, the last range without sleeping (the restore ends with its check)."""
-        pause = 0.0 if r == len(self.chunks) - 1 else _POLL_S
-        while (got := int(self.done[r])) == NOT_READ:
-            time.sleep(pause)
-        return got
 
 
 def _take_buffers(count: int, size: int) -> queue.Queue[bytearray]:
