@@ -166,7 +166,7 @@ class Stepper:
                         self._add(inflight)
                     else:
                         self._end(inflight, reason)
-                if self._gather_rows():
+                if self._gather_rows() or self._inbox:
                     continue  # a request came or went meanwhile: take it in first
                 waiting = not self._step()
 
@@ -211,6 +211,9 @@ class Stepper:
         gathering = self._gather
         full = loop.scheduler.budget.max_sequences
         while True:
+            with self._cond:
+                if self._inbox:  # arrivals first: a realtime one posted meanwhile is admitted before
+                    return True  # the lower classes whose rows got ready while it waited in the inbox
             loop.admit()
             opened = loop.open_rows
             now = time.perf_counter()
