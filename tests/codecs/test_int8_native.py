@@ -49,6 +49,27 @@ def test_native_decode_gives_the_torch_paths_bits(head_dim: int, tokens: int) ->
 
 
 @needs_library
+@pytest.mark.parametrize("misaligned", [0, 1, 3])
+def test_a_payload_is_decoded_where_it_lies_with_the_torch_paths_bits(misaligned: int) -> None:
+    """A record's payload as read (a view into a read buffer, at any alignment, read-only):
+    decoded with no copy, the same bits as the torch path."""
+    layout = KVLayout(3, 2, 64, "float32", 64)
+    _, encoded = _block(layout, 37, seed=misaligned)
+    codec = get_codec(CodecId.INT8)
+    codes, scale, zero, shape = codec._parts(encoded, layout)
+    expected = dequantize(codes, scale, zero).reshape(shape)
+    raw = bytes(misaligned) + bytes(encoded.payload)
+    payload = memoryview(raw)[misaligned:]  # read-only, odd offsets
+    buffer = torch.full((2, 3, 2, 100, 64), float("nan"))
+    dest = buffer[:, :, :, 5 : 5 + 37]
+    groups = codes.shape[0]
+    assert _native.dequantize_payload_into(payload, groups, 64, dest)
+    assert torch.equal(dest, expected) and buffer[:, :, :, :5].isnan().all()
+    assert not _native.dequantize_payload_into(payload[:-1], groups, 64, dest)  # a short payload
+    assert not _native.dequantize_payload_into(payload, groups, 64, dest.to(torch.bfloat16))
+
+
+@needs_library
 def test_shapes_it_does_not_take_fall_back_to_torch() -> None:
     layout = KVLayout(2, 2, 16, "float32", 64)
     _, encoded = _block(layout, 8, seed=1)

@@ -4,10 +4,15 @@
  * the product rounded to float32, then the sum rounded (compiled with -ffp-contract=off, so no
  * fused multiply-add: the same bits as torch's mul, then add_, in kvstrata.codecs._quant).
  *
- * codes: rows x row_len uint8, contiguous; scale, zero: one float16 (raw bits) per group of
- * `group` values, row after row; out: rows at out + i0*s0 + i1*s1 + i2*s2 + i3*s3 (float32
+ * codes: rows x row_len uint8, contiguous; scale, zero: one float16 (raw bits, any alignment: they
+ * may point into a record's payload as read) per group of `group` values, row after row; out: rows at out + i0*s0 + i1*s1 + i2*s2 + i3*s3 (float32
  * elements) for the row (i0, i1, i2, i3) of an (n0, n1, n2, n3) grid, each row_len contiguous
- * floats (a block's slice of a restore buffer whose token capacity exceeds the block). */
+ * floats (a block's slice of a restore buffer whose token capacity exceeds the block).
+ *
+ * Aligned vectors are written with streaming (non-temporal) stores: a restore's destination is
+ * cold memory (an agent returning after a while), and a plain store first reads each line it
+ * writes. One SmolLM2 block into a destination out of the caches: 0.29 against 0.51 ms; into one
+ * still in the caches, the same (0.41 against 0.40). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -51,7 +56,10 @@ __attribute__((target("avx512f,avx512bw"))) void kvs_int8_dequant(
                 for (int64_t i3 = 0; i3 < n3; i3++) {
                     float *row = out + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3;
                     for (int64_t k = 0; k < per_row; k++, g++) {
-                        const float sc = half_to_float(scale[g]), zp = half_to_float(zero[g]);
+                        uint16_t sh, zh; /* memcpy: a record's payload need not be 2-byte aligned */
+                        memcpy(&sh, scale + g, sizeof sh);
+                        memcpy(&zh, zero + g, sizeof zh);
+                        const float sc = half_to_float(sh), zp = half_to_float(zh);
                         const uint8_t *c = codes + g * group;
                         float *o = row + k * group;
                         int64_t j = 0;
@@ -60,7 +68,11 @@ __attribute__((target("avx512f,avx512bw"))) void kvs_int8_dequant(
                             for (; j + 16 <= group; j += 16) {
                                 const __m128i b = _mm_loadu_si128((const __m128i *)(c + j));
                                 const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-                                _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_mul_ps(f, vs), vz));
+                                const __m512 v = _mm512_add_ps(_mm512_mul_ps(f, vs), vz);
+                                if (((uintptr_t)(o + j) & 63) == 0)
+                                    _mm512_stream_ps(o + j, v);
+                                else
+                                    _mm512_storeu_ps(o + j, v);
                             }
                         }
                         for (; j < group; j++) {
@@ -69,4 +81,5 @@ __attribute__((target("avx512f,avx512bw"))) void kvs_int8_dequant(
                         }
                     }
                 }
+    _mm_sfence(); /* the streamed stores are visible before the caller reads the destination */
 }
