@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,6 +138,53 @@ def test_preadv_ranges_reports_an_error_per_range_and_checks_its_arguments(tmp_p
         os.close(fd)
 
 
+def _wait(done: np.ndarray, r: int, timeout_s: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while int(done[r]) == _native_crc.NOT_READ:
+        assert time.monotonic() < deadline, f"range {r} was never read"
+        time.sleep(1e-3)
+    return int(done[r])
+
+
+def test_gated_ranges_wait_for_their_buffer_and_a_cancel_ends_them(tmp_path: Path) -> None:
+    """Ranges read into reused buffers: range 2 is read only once range 0 is released, range 3
+    waits for range 1, which is cancelled instead: it is never read."""
+    _lib()
+    data = np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8)
+    path = tmp_path / "segment"
+    path.write_bytes(data.tobytes())
+    slots = [np.zeros(1024, dtype=np.uint8) for _ in range(2)]
+    first, iovs = _ranges([[slots[r % 2]] for r in range(4)])
+    offsets = np.arange(4, dtype=np.int64) * 1024
+    done = np.full(4, _native_crc.NOT_READ, dtype=np.int64)
+    gate = _native_crc.Gate(np.array([-1, -1, 0, 1], dtype=np.int64), np.zeros(4, dtype=np.int64))
+    fd = os.open(path, os.O_RDONLY)
+    fds = np.full(4, fd, dtype=np.int64)
+    try:
+        handle = _native_crc.start_preadv_ranges(fds, offsets, first, iovs, done, gate)
+        assert handle is not None
+        try:
+            assert _wait(done, 0) == 1024 and _wait(done, 1) == 1024
+            assert np.array_equal(slots[0], data[:1024]) and np.array_equal(slots[1], data[1024:2048])
+            time.sleep(0.2)
+            assert int(done[2]) == _native_crc.NOT_READ  # its buffer is still range 0's
+            assert np.array_equal(slots[0], data[:1024])
+            gate.released[0] = 1
+            assert _wait(done, 2) == 1024 and np.array_equal(slots[0], data[2048:3072])
+            gate.released[1] = -1  # cancelled: range 3 is not read
+        finally:
+            _native_crc.join_preadv_ranges(handle)
+    finally:
+        os.close(fd)
+    assert int(done[3]) == -errno.ECANCELED and np.array_equal(slots[1], data[1024:2048])
+    with pytest.raises(ValueError, match="earlier"):  # waiting for itself (or a later range) never ends
+        bad = _native_crc.Gate(np.array([-1, 1, -1, -1], dtype=np.int64), np.zeros(4, dtype=np.int64))
+        _native_crc.preadv_ranges(np.full(4, -1, dtype=np.int64), offsets, first, iovs, done, bad)
+    with pytest.raises(ValueError, match="one entry per range"):
+        short = _native_crc.Gate(np.full(3, -1, dtype=np.int64), np.zeros(3, dtype=np.int64))
+        _native_crc.preadv_ranges(np.full(4, -1, dtype=np.int64), offsets, first, iovs, done, short)
+
+
 def test_offsets_must_be_contiguous_int64() -> None:
     _lib()
     data = np.zeros(64, dtype=np.uint8)
@@ -177,7 +225,7 @@ def test_an_in_place_restore_checks_every_record_and_finds_damage(
         calls.append(1)
         return checker(*args) if native else None  # type: ignore[arg-type]
 
-    monkeypatch.setattr(restore_stream, "crc32c_runs", counted)
+    monkeypatch.setattr(in_place, "crc32c_runs", counted)
     store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     session = store.create_session("s")
     tokens = list(range(6 * LAYOUT.block_tokens))

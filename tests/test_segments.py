@@ -101,8 +101,8 @@ def test_a_chain_across_holes_is_read_in_place_by_the_native_loop(
     plans: list[in_place.NativeReads] = []
     native_reads = in_place.NativeReads
 
-    def kept(*args):  # type: ignore[no-untyped-def]
-        plans.append(native_reads(*args))
+    def kept(*args, **kwargs):  # type: ignore[no-untyped-def]
+        plans.append(native_reads(*args, **kwargs))
         return plans[-1]
 
     monkeypatch.setattr(restore_stream, "NativeReads", kept)
@@ -368,9 +368,12 @@ def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_one_tapered(
     assert len(plan_chunks(large, paths, IN_PLACE_CHUNK_BYTES)[-1].extents) > 1  # taper off
 
 
-def test_range_buffers_are_kept_for_the_next_restore_whichever_store_it_serves() -> None:
+def test_range_buffers_are_kept_for_the_next_restore_whichever_store_it_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvstrata.store import restore_stream as rs
 
+    monkeypatch.setattr(rs, "KEPT_BYTES", 8 << 20)  # four buffers of 2 MiB
     with rs._kept_lock:
         saved = list(rs._kept)
         rs._kept.clear()
@@ -383,8 +386,8 @@ def test_range_buffers_are_kept_for_the_next_restore_whichever_store_it_serves()
         rs._give_back_buffers(taken)
         again = rs._take_buffers(3, 512 << 10)  # smaller ranges take the kept buffers
         assert {id(again.get_nowait()) for _ in range(3)} == {id(b) for b in first}
-        rs._give_back_buffers(rs._take_buffers(rs.KEPT_BUFFERS + 2, 2 << 20))  # larger: new ones
-        assert len(rs._kept) == rs.KEPT_BUFFERS and all(len(b) == 2 << 20 for b in rs._kept)
+        rs._give_back_buffers(rs._take_buffers(6, 2 << 20))  # larger: new ones, the largest kept
+        assert len(rs._kept) == 4 and all(len(b) == 2 << 20 for b in rs._kept)
     finally:
         with rs._kept_lock:
             rs._kept[:] = saved

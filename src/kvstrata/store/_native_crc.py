@@ -11,6 +11,7 @@ be, the ``crc32c`` package checks.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
@@ -28,8 +29,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.kvs_crc32c_runs.argtypes = [
         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64
     ]  # fmt: skip
-    # fds, count, offsets, first, iovs, done
-    ranges = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 4]
+    # fds, count, offsets, first, iovs, done, after, released
+    ranges = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6]
     lib.kvs_preadv_ranges.restype = ctypes.c_int64
     lib.kvs_preadv_ranges.argtypes = ranges
     lib.kvs_preadv_ranges_start.restype = ctypes.c_void_p
@@ -79,10 +80,27 @@ NOT_READ = np.iinfo(np.int64).min
 """``done[r]`` of a range :func:`preadv_ranges` has not read yet."""
 
 
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """Ranges that wait for others (buffers the caller reuses): range ``r`` is read only once
+    ``released[after[r]]`` is positive (``after[r] < 0``: no wait); a negative ``released`` entry
+    cancels the reads left (``-ECANCELED`` each). Both int64, one entry per range."""
+
+    after: np.ndarray
+    released: np.ndarray
+
+
 def _checked(
-    fds: np.ndarray, offsets: np.ndarray, first: np.ndarray, iovs: np.ndarray, done: np.ndarray
-) -> list[int]:
+    fds: np.ndarray,
+    offsets: np.ndarray,
+    first: np.ndarray,
+    iovs: np.ndarray,
+    done: np.ndarray,
+    gate: Gate | None,
+) -> list[int | None]:
     arrays = [(fds, np.int64), (offsets, np.int64), (first, np.int64), (iovs, np.uint64), (done, np.int64)]
+    if gate is not None:
+        arrays += [(gate.after, np.int64), (gate.released, np.int64)]
     for array, dtype in arrays:
         if array.dtype != dtype or not array.flags.c_contiguous:
             raise ValueError(f"preadv_ranges takes contiguous {np.dtype(dtype)} arrays")
@@ -92,8 +110,15 @@ def _checked(
     inside = not count or 0 <= int(first[0]) <= int(first[-1]) <= len(iovs)
     if iovs.ndim != 2 or iovs.shape[1] != 2 or not inside:
         raise ValueError("preadv_ranges: first points outside iovs (rows of address, length)")
+    if gate is not None:
+        if len(gate.after) != count or len(gate.released) != count:
+            raise ValueError("preadv_ranges: the gate needs one entry per range")
+        waiting = np.flatnonzero(gate.after >= 0)
+        if bool((gate.after[waiting] >= waiting).any()):  # a later range would never be read first
+            raise ValueError("preadv_ranges: a range may only wait for an earlier one")
     pointers = [array.ctypes.data for array in (fds, offsets, first, iovs, done)]
-    return [pointers[0], count, *pointers[1:]]
+    gated = [None, None] if gate is None else [gate.after.ctypes.data, gate.released.ctypes.data]
+    return [pointers[0], count, *pointers[1:], *gated]
 
 
 def preadv_ranges(
@@ -102,17 +127,19 @@ def preadv_ranges(
     first: np.ndarray,
     iovs: np.ndarray,
     done: np.ndarray,
+    gate: Gate | None = None,
 ) -> bool:
     """Read ranges in one native call, the GIL released throughout: range ``r`` of file
     descriptor ``fds[r]`` (or ``-errno``: its file could not be opened) from file offset
     ``offsets[r]`` into the buffers ``iovs[first[r]:first[r + 1]]`` (rows of (address, length),
     uint64), then ``done[r]`` set to the bytes read or ``-errno`` (readers poll it;
-    :data:`NOT_READ` until then). False, reading nothing, when the library is not loaded. The
+    :data:`NOT_READ` until then); with ``gate``, ranges wait for the caller to release the ones
+    before them (:class:`Gate`). False, reading nothing, when the library is not loaded. The
     caller keeps every buffer alive until the call returns."""
     lib = LIBRARY.loaded()
     if lib is None:
         return False
-    lib.kvs_preadv_ranges(*_checked(fds, offsets, first, iovs, done))
+    lib.kvs_preadv_ranges(*_checked(fds, offsets, first, iovs, done, gate))
     return True
 
 
@@ -122,6 +149,7 @@ def start_preadv_ranges(
     first: np.ndarray,
     iovs: np.ndarray,
     done: np.ndarray,
+    gate: Gate | None = None,
 ) -> int | None:
     """:func:`preadv_ranges` on a native thread of its own, returning at once: a handle for
     :func:`join_preadv_ranges` (which the caller must call, and keep every array and buffer alive
@@ -129,7 +157,7 @@ def start_preadv_ranges(
     lib = LIBRARY.loaded()
     if lib is None:
         return None
-    handle: int | None = lib.kvs_preadv_ranges_start(*_checked(fds, offsets, first, iovs, done))
+    handle: int | None = lib.kvs_preadv_ranges_start(*_checked(fds, offsets, first, iovs, done, gate))
     return handle
 
 

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -170,15 +171,40 @@ uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t 
  * slower: 512 SmolLM2 tokens 0.87x of a plain read against 0.89-0.94x, the tiny model 0.87x against
  * 0.94x: the next read waited for the checksum.)
  * kvs_preadv_ranges_start runs it on a thread of its own (no Python thread to wake, no GIL to
- * take back before the first read); kvs_preadv_ranges_join waits for it and frees it. */
+ * take back before the first read); kvs_preadv_ranges_join waits for it and frees it.
+ *
+ * Ranges read into buffers that the caller reuses (records to decode: a ring of a few buffers,
+ * not one the size of the restore) are gated: with `after` given, range r is read only once
+ * released[after[r]] is set (the caller has decoded the range that used its buffer before;
+ * after[r] < 0: no wait). A negative released[] value cancels the reads left: each gets
+ * -ECANCELED (the caller stops early, on an error). Polled every KVS_GATE_POLL_NS: a wait means
+ * the decoders are behind, and the disk keeps reading ahead meanwhile. */
 #define KVS_IOV_MAX 1024
+#define KVS_GATE_POLL_NS 20000
+
+/* 1: range r may be read; 0: cancelled. */
+static int kvs_gate_open(const int64_t *after, const int64_t *released, int64_t r) {
+    if (after == NULL || after[r] < 0) return 1;
+    const struct timespec pause = {0, KVS_GATE_POLL_NS};
+    for (;;) {
+        int64_t state = __atomic_load_n(&released[after[r]], __ATOMIC_ACQUIRE);
+        if (state > 0) return 1;
+        if (state < 0) return 0;
+        nanosleep(&pause, NULL);
+    }
+}
 
 int64_t kvs_preadv_ranges(const int64_t *fds, int64_t count, const int64_t *offsets, const int64_t *first,
-                          const struct iovec *iovs, int64_t *done) {
+                          const struct iovec *iovs, int64_t *done, const int64_t *after,
+                          const int64_t *released) {
     struct iovec local[KVS_IOV_MAX];
     for (int64_t r = 0; r < count; r++) {
         int64_t i = first[r], end = first[r + 1], got = 0, result = 0;
         int fd = (int)fds[r];
+        if (!kvs_gate_open(after, released, r)) {
+            for (; r < count; r++) __atomic_store_n(&done[r], -(int64_t)ECANCELED, __ATOMIC_RELEASE);
+            break;
+        }
         if (fds[r] < 0) { /* its file could not be opened: fds[r] is -errno */
             __atomic_store_n(&done[r], fds[r], __ATOMIC_RELEASE);
             continue;
@@ -211,21 +237,24 @@ struct kvs_reads {
     const int64_t *fds, *offsets, *first;
     const struct iovec *iovs;
     int64_t *done, count;
+    const int64_t *after, *released;
 };
 
 static void *kvs_reads_run(void *arg) {
     struct kvs_reads *job = arg;
-    kvs_preadv_ranges(job->fds, job->count, job->offsets, job->first, job->iovs, job->done);
+    kvs_preadv_ranges(job->fds, job->count, job->offsets, job->first, job->iovs, job->done, job->after,
+                      job->released);
     return NULL;
 }
 
 /* A handle for kvs_preadv_ranges_join, or NULL when no thread could be started (nothing read). */
 void *kvs_preadv_ranges_start(const int64_t *fds, int64_t count, const int64_t *offsets,
-                              const int64_t *first, const struct iovec *iovs, int64_t *done) {
+                              const int64_t *first, const struct iovec *iovs, int64_t *done,
+                              const int64_t *after, const int64_t *released) {
     struct kvs_reads *job = malloc(sizeof *job);
     if (job == NULL) return NULL;
     job->fds = fds, job->count = count, job->offsets = offsets, job->first = first;
-    job->iovs = iovs, job->done = done;
+    job->iovs = iovs, job->done = done, job->after = after, job->released = released;
     if (pthread_create(&job->thread, NULL, kvs_reads_run, job) != 0) {
         free(job);
         return NULL;

@@ -23,6 +23,7 @@ quarantines damage and falls back to L4.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -39,7 +40,7 @@ from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
-from kvstrata.store._native_crc import LIBRARY, crc32c_runs
+from kvstrata.store._native_crc import LIBRARY
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.in_place import InPlace, NativeReads
@@ -52,6 +53,7 @@ from kvstrata.store.tiers.segment_reads import (
     Extent,
     in_place_chunk_bytes,
     plan_chunks,
+    prefetch,
     read_chunks,
 )
 from kvstrata.transfer import DeviceCopier, host_array
@@ -62,21 +64,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STREAM_BUFFERS = 3
-"""Ranges in memory at once per restore: one being read, two being decoded."""
-KEPT_BUFFERS = 2 * STREAM_BUFFERS
-"""Range buffers the process keeps between restores (two restores' worth), whichever store they
-serve: a fresh buffer is fresh memory, which this VM's kernel zeroes page by page on first touch.
-Kept per store, the first int8 restore of a store just opened allocated 3 of 4 MiB and took
-14.5 against 8.6 ms for the next one (512 SmolLM2 tokens)."""
+"""Ranges in memory at once per restore read from Python: one being read, two being decoded."""
+NATIVE_SLOT_BYTES = 32 << 20
+"""Bytes of buffers per restore for the ranges the native loop reads to be decoded: a buffer for
+every range when they fit, so that the loop never waits for a decoder (each wait leaves the disk
+idle: an int8 restore of 512 SmolLM2 tokens, 8 ranges, took 8.7-9.1 ms with 4 buffers and
+7.8-7.9 with 8; with 16 or 40 the same, alternated in one process), else as many as fit."""
+NATIVE_MIN_SLOTS = 4
+"""Buffers for such ranges at least: one per decoder and two for the loop to read ahead into."""
+KEPT_BYTES = 2 * NATIVE_SLOT_BYTES
+"""Bytes of range buffers the process keeps between restores (two restores' worth), whichever
+store they serve: a fresh buffer is fresh memory, which this VM's kernel zeroes page by page on
+first touch. Kept per store, the first int8 restore of a store just opened allocated 3 of 4 MiB
+and took 14.5 against 8.6 ms for the next one (512 SmolLM2 tokens)."""
 _kept: list[bytearray] = []
 _kept_lock = threading.Lock()
 _DECODERS = 2
 """Threads decoding the ranges of records that are not read in place (a decode costs more than a
 read: int8 and KIVI dequantize every value)."""
-_RELEASE_GIL = 1
-"""crc32c's ``gil_release_mode``: always (by default only from 32 KiB). A thread that holds the GIL
-through a long stretch of work makes the reader wait up to the interpreter's switch interval
-(5 ms) each time its ``preadv`` returns; releasing it for every checksum keeps those waits short."""
 RETRY = object()
 """A streamed record that could not be served from its range: read again the per-block way."""
 
@@ -128,6 +133,7 @@ class SegmentStream:
         )
         segments = {e.placement.file_id for e in extents}
         paths = {segment: disk.segment_path(segment) for segment in segments}
+        prefetch(extents, paths)  # a small restore: the disk reads while the rest is planned
         # read in place, a range needs no buffer: larger ranges, fewer gaps between reads
         chunk_bytes = in_place_chunk_bytes(extents) if exact else buffered_chunk_bytes(extents)
         chunks = plan_chunks(extents, paths, chunk_bytes, taper=exact)
@@ -147,9 +153,26 @@ class SegmentStream:
             if scatter:
                 scattered.update(self._scatter(chunks[i], rows, per_token, flat, address))
 
-        if exact and LIBRARY.loaded() is not None:  # every read in one native call, off the GIL
-            return self._read_native(chunks, NativeReads(chunks, rows, per_token, bt, flat, address),
-                                     room, buffer, priority, inference)  # fmt: skip
+        if LIBRARY.loaded() is not None:  # every read in one native call, off the GIL
+            in_place = [scatter and self._all_exact(chunk, len(rows), per_token) for chunk in chunks]
+            buffered = [c.end - c.start for c, placed in zip(chunks, in_place, strict=True) if not placed]
+            slots = _take_buffers(native_slots(buffered), max(buffered, default=0))
+            try:
+                reads = NativeReads(
+                    chunks,
+                    rows if scatter else np.zeros(0, np.int64),
+                    per_token if scatter else 0,
+                    bt,
+                    flat if scatter else None,
+                    address if scatter else 0,
+                    in_place=in_place,
+                    slots=list(slots.queue),
+                )
+                # checks of records in place are quick: one thread; decodes are not: _DECODERS
+                consumers = _DECODERS if buffered else 1
+                return self._read_native(chunks, reads, room, copier, buffer, priority, inference, consumers)
+            finally:
+                _give_back_buffers(slots)
 
         buffers = _take_buffers(0 if exact else STREAM_BUFFERS, max(c.end - c.start for c in chunks))
         results: dict[int, object] = {}
@@ -212,33 +235,93 @@ class SegmentStream:
         chunks: list[Chunk],
         reads: NativeReads,
         room: Any,
+        copier: DeviceCopier,
         buffer: torch.Tensor,
         priority: Priority | None,
         inference: bool,
+        consumers: int,
     ) -> dict[int, object]:
-        """Exact records straight into place: every range is read by ONE native call on a native
-        thread of its own (``_native_crc.start_preadv_ranges``: no GIL from the first read to the
-        last, no Python thread to wake before the first) while this thread checks each range as
-        soon as its read is published."""
+        """Every range read by ONE native call on a native thread of its own
+        (``_native_crc.start_preadv_ranges``: no GIL from the first read to the last, no Python
+        thread to wake before the first), exact records straight into place, others into the
+        reads' buffers; ``consumers`` threads (this one and the pool's) take the ranges in order
+        and check (or verify and decode) each as soon as its read is published, then hand its
+        buffer back to the reads."""
+        results: dict[int, object] = {}
+        failures: list[BaseException] = []
+        taken = itertools.count()  # the next range to serve: next() is atomic under the GIL
+
+        def consume() -> None:
+            with torch.inference_mode(inference):
+                while (r := next(taken)) < len(chunks):
+                    try:
+                        results.update(self._serve_range(r, chunks[r], reads, room, copier, buffer, priority))
+                    except BaseException as exc:  # reported below; the other consumers stop soon
+                        failures.append(exc)
+                        reads.cancel()
+                        return
+                    finally:
+                        reads.release(r)
+
+        with reads.reading():
+            helpers = [self.restorer.executor().submit(consume) for _ in range(consumers - 1)]
+            try:
+                consume()
+            finally:
+                for helper in helpers:
+                    helper.result()
+        if failures:
+            raise failures[0]
+        return results
+
+    def _serve_range(
+        self,
+        r: int,
+        chunk: Chunk,
+        reads: NativeReads,
+        room: Any,
+        copier: DeviceCopier,
+        buffer: torch.Tensor,
+        priority: Priority | None,
+    ) -> dict[int, object]:
+        """Range ``r`` once read: each record checked in place or verified and decoded from the
+        range's buffer, the hits accounted; per position, the hit or ``RETRY``."""
+        pieces = reads.pieces.get(r)
+        crc: int | None = None
+        if pieces is None:
+            got = reads.wait(r)
+        else:  # one record read in pieces: each checked as it comes, its CRC carried on
+            where = reads.where(chunk.extents[0])
+            got, crc = 0, crc32c.crc32c(where.header)
+            for piece in pieces:
+                read = reads.wait_range(piece.k)
+                if read < 0:
+                    got = read
+                    break
+                got += read
+                crc = where.crc(crc, piece.lo, piece.hi)
+        if got < 0:  # gone (compacted, removed) or unreadable: the per-block path decides
+            return dict.fromkeys((e.position for e in chunk.extents), RETRY)
+        chunk.got = got
+        buffered = reads.slot_of[r] is not None
+        if buffered:
+            chunk.data = reads.data(r)
+        started = time.perf_counter()
         disk = self.restorer.tiered.disk
         results: dict[int, object] = {}
-        with reads.reading(), torch.inference_mode(inference):
-            for r, chunk in enumerate(chunks):
-                got = reads.wait(r)
-                if got < 0:  # gone (compacted, removed) or unreadable: the per-block path decides
-                    results.update((e.position, RETRY) for e in chunk.extents)
-                    continue
-                chunk.got = got
-                started = time.perf_counter()
-                hits: list[tuple[int, KVBlock, TierLevel]] = []
-                for extent in chunk.extents:
-                    block = self._in_place(chunk, extent, reads.where(extent), room)
-                    if block is None:
-                        results[extent.position] = RETRY
-                    else:
-                        hits.append((extent.position, block, disk.level))
-                if hits:
-                    results.update(self.restorer.account_hits(hits, buffer, priority, started))
+        hits: list[tuple[int, KVBlock, TierLevel]] = []
+        for extent in chunk.extents:
+            block = (
+                self._from_chunk(chunk, extent, room, copier)
+                if buffered
+                else self._in_place(chunk, extent, reads.where(extent), room, crc)
+            )
+            if block is None:
+                results[extent.position] = RETRY
+            else:
+                hits.append((extent.position, block, disk.level))
+        if hits:
+            results.update(self.restorer.account_hits(hits, buffer, priority, started))
         return results
 
     def _from_chunk(self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier) -> KVBlock | None:
@@ -282,15 +365,9 @@ class SegmentStream:
         position (nothing when the chunk is read the buffered way)."""
         bt = self.restorer.layout.block_tokens
         framing = HEADER_BYTES + TRAILER_BYTES
-        payload = 0
-        for extent in chunk.extents:
-            placement = extent.placement
-            if (
-                placement.codec != CodecId.IDENTITY
-                or placement.nbytes != framing + placement.num_tokens * len(rows) * per_token
-            ):
-                return {}
-            payload += placement.nbytes - framing
+        if not self._all_exact(chunk, len(rows), per_token):
+            return {}
+        payload = sum(extent.placement.nbytes - framing for extent in chunk.extents)
         scratch = memoryview(bytearray(chunk.end - chunk.start - payload))
         used = 0
         iov: list[memoryview] = []
@@ -315,10 +392,24 @@ class SegmentStream:
         chunk.scatter = iov
         return where
 
-    def _in_place(self, chunk: Chunk, extent: Extent, where: InPlace, room: Any) -> KVBlock | None:
+    @staticmethod
+    def _all_exact(chunk: Chunk, rows: int, per_token: int) -> bool:
+        """Whether every record of ``chunk`` is exact (identity codec, no params), so it can be
+        read straight into place (``rows`` runs of ``per_token`` bytes a token each)."""
+        framing = HEADER_BYTES + TRAILER_BYTES
+        return all(
+            e.placement.codec == CodecId.IDENTITY
+            and e.placement.nbytes == framing + e.placement.num_tokens * rows * per_token
+            for e in chunk.extents
+        )
+
+    def _in_place(
+        self, chunk: Chunk, extent: Extent, where: InPlace, room: Any, crc: int | None = None
+    ) -> KVBlock | None:
         """Check a record read straight into place (header fields, CRC32C over the slices it
-        landed in); None when it is not the record the index promised (the per-block read then
-        quarantines it, or finds where it went)."""
+        landed in, or ``crc`` when the caller computed it as the record came in pieces); None
+        when it is not the record the index promised (the per-block read then quarantines it, or
+        finds where it went)."""
         if chunk.got < extent.offset + extent.placement.nbytes - chunk.start:
             return None  # the file ends early
         restorer = self.restorer
@@ -326,13 +417,8 @@ class SegmentStream:
             header = parse_header(where.header, chunk.path)
         except CorruptBlockError:
             return None
-        crc = crc32c.crc32c(where.header)
-        native = crc32c_runs(crc, where.address, where.rows, where.run)
-        if native is not None:
-            crc = native
-        else:
-            for run in where.runs():  # the GIL released for every run, small ones too: the reader waits less
-                crc = crc32c.crc32c(run, crc, _RELEASE_GIL)
+        if crc is None:
+            crc = where.crc(crc32c.crc32c(where.header))
         if (
             header.key != extent.key
             or header.layout_fingerprint != restorer.layout.fingerprint
@@ -360,12 +446,25 @@ def _take_buffers(count: int, size: int) -> queue.Queue[bytearray]:
 
 
 def _give_back_buffers(buffers: queue.Queue[bytearray]) -> None:
-    """Keep the buffers for the next restore, the largest ones when there are too many."""
+    """Keep the buffers for the next restore, the largest ones up to ``KEPT_BYTES``."""
     with _kept_lock:
         while not buffers.empty():
             _kept.append(buffers.get_nowait())
         _kept.sort(key=len, reverse=True)
-        del _kept[KEPT_BUFFERS:]
+        kept = 0
+        for i, buffer in enumerate(_kept):
+            kept += len(buffer)
+            if kept > KEPT_BYTES:
+                del _kept[i:]
+                break
+
+
+def native_slots(ranges: Sequence[int]) -> int:
+    """Buffers for the native loop to read ``ranges`` (their sizes in bytes) into: one each when
+    they fit in ``NATIVE_SLOT_BYTES``, else as many as fit, at least ``NATIVE_MIN_SLOTS``."""
+    if not ranges:
+        return 0
+    return min(len(ranges), max(NATIVE_MIN_SLOTS, NATIVE_SLOT_BYTES // max(ranges)))
 
 
 def buffered_chunk_bytes(extents: Sequence[Extent]) -> int:

@@ -39,6 +39,13 @@ ranges leave most of the checking after the last read. A 512-token SmolLM2 resto
 20): as 8 ranges, 0.87x of a raw read of the file instead of 0.79x (alternated, medians of 15)."""
 MAX_GAP = 1 << 20
 """A hole up to this size between two wanted records is read through rather than skipped."""
+PREFETCH_MAX_BYTES = 16 << 20
+"""A restore of at most this many bytes asks the kernel for all of them at once
+(:func:`prefetch`) before it plans its reads. Alternated in one process (512 SmolLM2 tokens
+unless said): int8 8.4 MB 0.84x the time without, 13.6 MB (1,024 tokens) 0.90x, exact 11.8 MB
+(256 tokens) 0.96x; an exact 23.6 MB restore took 1.12x as long (the kernel reads at most its
+readahead window, 8 MiB here, of such a hint, and the reads after it found no readahead under way),
+so larger restores leave it to the kernel's readahead."""
 
 
 @dataclass(slots=True)
@@ -130,6 +137,31 @@ def plan_chunks(
             end = piece[-1].offset + piece[-1].placement.nbytes
             chunks.append(Chunk(last.path, last.segment_id, piece[0].offset, end, piece))
     return chunks
+
+
+def prefetch(extents: Sequence[Extent], paths: dict[str, Path]) -> None:
+    """Ask the kernel to read the span of each segment that ``extents`` lie in
+    (``posix_fadvise(WILLNEED)``: the reads start while the restore plans, instead of after),
+    when they hold at most ``PREFETCH_MAX_BYTES``. A file that cannot be opened is left to the
+    reads, which report it."""
+    spans: dict[str, tuple[int, int]] = {}
+    for extent in extents:
+        lo, hi = spans.get(extent.placement.file_id, (extent.offset, 0))
+        spans[extent.placement.file_id] = (
+            min(lo, extent.offset),
+            max(hi, extent.offset + extent.placement.nbytes),
+        )
+    if sum(hi - lo for lo, hi in spans.values()) > PREFETCH_MAX_BYTES or not hasattr(os, "posix_fadvise"):
+        return
+    for segment, (lo, hi) in spans.items():
+        try:
+            fd = os.open(paths[segment], os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 _IOV_MAX = 1024
