@@ -1,8 +1,7 @@
 """Issue 14: the reads of a restore from L3 segments in one native loop. Records to decode (int8)
-go into a few buffers the decoders hand back (a gate holds the loop until a buffer is free),
-exact ones straight into place, the last of them in pieces checked as they come; a small restore
-asks the kernel for its bytes before it plans. Whatever path, the bytes restored are the per-block
-path's, and damage is found."""
+go into buffers the decoders hand back (a gate holds the loop until a buffer is free), exact ones
+straight into place; a small restore asks the kernel for its bytes before it plans. Whatever
+path, the bytes restored are the per-block path's, and damage is found."""
 
 from __future__ import annotations
 
@@ -122,39 +121,6 @@ def test_a_damaged_int8_record_read_by_the_loop_costs_its_own_block(
     damaged = store.load(store.session("s"))
     assert damaged.missing_from_token == 3 * LAYOUT.block_tokens
     assert store.counters.corrupt_blocks == 1 and not store.contains(keys[3])
-
-
-@pytest.mark.parametrize("damaged", [False, True])
-def test_the_last_record_is_read_in_pieces_each_checked_as_it_comes(
-    open_store: Factory, monkeypatch: pytest.MonkeyPatch, damaged: bool
-) -> None:
-    monkeypatch.setattr(in_place, "SPLIT_MIN_BYTES", 0)  # the test's records are small
-    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
-    session = store.create_session("s")
-    tokens = list(range(BLOCKS * LAYOUT.block_tokens))
-    store.append(session, tokens, token_kv(LAYOUT, tokens))
-    store.checkpoint(session)
-    last = session.block_keys[-1]
-    if damaged:  # in the last run of the last record: only its last piece sees it
-        flip_byte(store, last, at=HEADER_BYTES + LAYOUT.bytes_per_block - 3)
-    plans = _plans(monkeypatch)
-    again: list[int] = []  # records the loop could not serve, read again the per-block way
-    read_into = restore.Restorer.read_into
-    monkeypatch.setattr(
-        restore.Restorer, "read_into", lambda self, *a: again.append(1) or read_into(self, *a)
-    )
-    loaded = store.load(store.session("s"))
-    (plan,) = plans
-    (pieces,) = plan.pieces.values()
-    assert len(pieces) == in_place.SPLIT_PIECES and next(iter(plan.pieces)) == len(plan.chunks) - 1
-    assert [p.lo for p in pieces][1:] == [p.hi for p in pieces][:-1] and pieces[-1].hi == len(plan.rows)
-    assert len(plan.done) == len(plan.chunks) - 1 + in_place.SPLIT_PIECES  # native ranges
-    assert len(again) == (1 if damaged else 0)  # the check in pieces passed every sound record
-    if damaged:
-        assert loaded.missing_from_token == (BLOCKS - 1) * LAYOUT.block_tokens
-        assert store.counters.corrupt_blocks == 1
-    else:
-        assert loaded.missing_from_token is None and torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
 
 
 def test_a_small_restore_asks_the_kernel_for_its_bytes_first(

@@ -286,20 +286,7 @@ class SegmentStream:
     ) -> dict[int, object]:
         """Range ``r`` once read: each record checked in place or verified and decoded from the
         range's buffer, the hits accounted; per position, the hit or ``RETRY``."""
-        pieces = reads.pieces.get(r)
-        crc: int | None = None
-        if pieces is None:
-            got = reads.wait(r)
-        else:  # one record read in pieces: each checked as it comes, its CRC carried on
-            where = reads.where(chunk.extents[0])
-            got, crc = 0, crc32c.crc32c(where.header)
-            for piece in pieces:
-                read = reads.wait_range(piece.k)
-                if read < 0:
-                    got = read
-                    break
-                got += read
-                crc = where.crc(crc, piece.lo, piece.hi)
+        got = reads.wait(r)
         if got < 0:  # gone (compacted, removed) or unreadable: the per-block path decides
             return dict.fromkeys((e.position for e in chunk.extents), RETRY)
         chunk.got = got
@@ -314,7 +301,7 @@ class SegmentStream:
             block = (
                 self._from_chunk(chunk, extent, room, copier)
                 if buffered
-                else self._in_place(chunk, extent, reads.where(extent), room, crc)
+                else self._in_place(chunk, extent, reads.where(extent), room)
             )
             if block is None:
                 results[extent.position] = RETRY
@@ -403,13 +390,10 @@ class SegmentStream:
             for e in chunk.extents
         )
 
-    def _in_place(
-        self, chunk: Chunk, extent: Extent, where: InPlace, room: Any, crc: int | None = None
-    ) -> KVBlock | None:
+    def _in_place(self, chunk: Chunk, extent: Extent, where: InPlace, room: Any) -> KVBlock | None:
         """Check a record read straight into place (header fields, CRC32C over the slices it
-        landed in, or ``crc`` when the caller computed it as the record came in pieces); None
-        when it is not the record the index promised (the per-block read then quarantines it, or
-        finds where it went)."""
+        landed in); None when it is not the record the index promised (the per-block read then
+        quarantines it, or finds where it went)."""
         if chunk.got < extent.offset + extent.placement.nbytes - chunk.start:
             return None  # the file ends early
         restorer = self.restorer
@@ -417,8 +401,7 @@ class SegmentStream:
             header = parse_header(where.header, chunk.path)
         except CorruptBlockError:
             return None
-        if crc is None:
-            crc = where.crc(crc32c.crc32c(where.header))
+        crc = where.crc(crc32c.crc32c(where.header))
         if (
             header.key != extent.key
             or header.layout_fingerprint != restorer.layout.fingerprint
