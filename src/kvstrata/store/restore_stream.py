@@ -119,18 +119,16 @@ class SegmentStream:
         priority: Priority | None,
         inference: bool,
     ) -> dict[int, object]:
-        """Read ``extents`` range by range in this thread while the pool verifies and decodes the
-        ranges already read (exact records with the native helpers built: the pool reads, this
-        thread checks); per position, what ``Restorer.read_into`` would return, or ``RETRY``."""
+        """Read ``extents`` range by range while they are verified and decoded as they come in:
+        with the native helpers built, every range by one native call on a thread of its own
+        while this thread (and, for records to decode, the pool's) checks them; else in this
+        thread while the pool verifies and decodes. Per position, what ``Restorer.read_into``
+        would return, or ``RETRY``."""
         disk = self.restorer.tiered.disk
         token_bytes = self.restorer.layout.bytes_per_token
         bt = self.restorer.layout.block_tokens
         scatter = self._may_scatter(buffer, copier)
-        exact = scatter and all(
-            e.placement.codec == CodecId.IDENTITY
-            and e.placement.nbytes == HEADER_BYTES + TRAILER_BYTES + e.placement.num_tokens * token_bytes
-            for e in extents
-        )
+        exact = scatter and _all_exact(extents, token_bytes)
         segments = {e.placement.file_id for e in extents}
         paths = {segment: disk.segment_path(segment) for segment in segments}
         prefetch(extents, paths)  # a small restore: the disk reads while the rest is planned
@@ -138,6 +136,7 @@ class SegmentStream:
         chunk_bytes = in_place_chunk_bytes(extents) if exact else buffered_chunk_bytes(extents)
         chunks = plan_chunks(extents, paths, chunk_bytes, taper=exact)
         scattered: dict[int, InPlace] = {}
+        rows, per_token, flat, address = np.zeros(0, np.int64), 0, None, 0  # no scatter: no runs
         if scatter:
             array = host_array(buffer).reshape(-1)
             flat = memoryview(array).cast("B")
@@ -150,23 +149,16 @@ class SegmentStream:
             """A chunk's scatter list, made by the reader just before its read (tens of
             microseconds a record; made ahead in the verifier's thread, it held the GIL that the
             reader needed back after its first read)."""
-            if scatter:
+            if flat is not None:
                 scattered.update(self._scatter(chunks[i], rows, per_token, flat, address))
 
         if LIBRARY.loaded() is not None:  # every read in one native call, off the GIL
-            in_place = [scatter and self._all_exact(chunk, len(rows), per_token) for chunk in chunks]
+            in_place = [scatter and _all_exact(chunk.extents, token_bytes) for chunk in chunks]
             buffered = [c.end - c.start for c, placed in zip(chunks, in_place, strict=True) if not placed]
             slots = _take_buffers(native_slots(buffered), max(buffered, default=0))
             try:
                 reads = NativeReads(
-                    chunks,
-                    rows if scatter else np.zeros(0, np.int64),
-                    per_token if scatter else 0,
-                    bt,
-                    flat if scatter else None,
-                    address if scatter else 0,
-                    in_place=in_place,
-                    slots=list(slots.queue),
+                    chunks, rows, per_token, bt, flat, address, in_place=in_place, slots=list(slots.queue)
                 )
                 # checks of records in place are quick: one thread; decodes are not: _DECODERS
                 consumers = _DECODERS if buffered else 1
@@ -352,7 +344,7 @@ class SegmentStream:
         position (nothing when the chunk is read the buffered way)."""
         bt = self.restorer.layout.block_tokens
         framing = HEADER_BYTES + TRAILER_BYTES
-        if not self._all_exact(chunk, len(rows), per_token):
+        if not _all_exact(chunk.extents, len(rows) * per_token):
             return {}
         payload = sum(extent.placement.nbytes - framing for extent in chunk.extents)
         scratch = memoryview(bytearray(chunk.end - chunk.start - payload))
@@ -378,17 +370,6 @@ class SegmentStream:
             at = extent.offset + extent.placement.nbytes
         chunk.scatter = iov
         return where
-
-    @staticmethod
-    def _all_exact(chunk: Chunk, rows: int, per_token: int) -> bool:
-        """Whether every record of ``chunk`` is exact (identity codec, no params), so it can be
-        read straight into place (``rows`` runs of ``per_token`` bytes a token each)."""
-        framing = HEADER_BYTES + TRAILER_BYTES
-        return all(
-            e.placement.codec == CodecId.IDENTITY
-            and e.placement.nbytes == framing + e.placement.num_tokens * rows * per_token
-            for e in chunk.extents
-        )
 
     def _in_place(self, chunk: Chunk, extent: Extent, where: InPlace, room: Any) -> KVBlock | None:
         """Check a record read straight into place (header fields, CRC32C over the slices it
@@ -416,6 +397,17 @@ class SegmentStream:
         restorer.tiered.disk.index.blocks.note_access(extent.key, time.time())
         tensor = room(extent.position).narrow(3, 0, header.num_tokens)  # narrow: half a slice's cost
         return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
+
+
+def _all_exact(extents: Sequence[Extent], token_bytes: int) -> bool:
+    """Whether every record is exact (identity codec, no params: ``token_bytes`` a token), so it
+    can be read straight into place."""
+    framing = HEADER_BYTES + TRAILER_BYTES
+    return all(
+        e.placement.codec == CodecId.IDENTITY
+        and e.placement.nbytes == framing + e.placement.num_tokens * token_bytes
+        for e in extents
+    )
 
 
 def _take_buffers(count: int, size: int) -> queue.Queue[bytearray]:
