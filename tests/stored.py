@@ -7,6 +7,7 @@ block's record wherever the disk tier put it (a ``.kvbin`` file of its own, or a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvstrata.keys import BlockKey
 from kvstrata.store import KVStore
@@ -85,3 +86,18 @@ def files_and_index(store: KVStore) -> tuple[set[tuple[object, ...]], set[tuple[
         parsed = parse_file_name(path.name)
         on_disk.add((*parsed, cold) if parsed is not None else (path.name,))
     return on_disk, indexed
+
+
+def kept_read_plans(monkeypatch: Any) -> list[Any]:
+    """Every ``NativeReads`` the restores make from now on, kept for the test to look at."""
+    from kvstrata.store import in_place, restore_stream
+
+    plans: list[in_place.NativeReads] = []
+    made = in_place.NativeReads
+
+    def kept(*args, **kwargs):  # type: ignore[no-untyped-def]
+        plans.append(made(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(restore_stream, "NativeReads", kept)
+    return plans

@@ -14,13 +14,13 @@ import torch
 from kvstrata import KVStore
 from kvstrata.native.library import NativeLibrary
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.store import _native_crc, in_place, restore, restore_stream
+from kvstrata.store import _native_crc, restore, restore_stream
 from kvstrata.store.kvbin import HEADER_BYTES
 from kvstrata.store.tiers import segment_reads
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte
+from stored import flip_byte, kept_read_plans
 
 Factory = Callable[..., KVStore]
 BLOCKS = 8
@@ -31,19 +31,6 @@ INT8_BUT_LAST = CodecLadder(interactive=Rung("int8", "int8"), recent_blocks=1)
 def _native() -> None:
     if _native_crc.LIBRARY.load(timeout=120) is None:
         pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
-
-
-def _plans(monkeypatch: pytest.MonkeyPatch) -> list[in_place.NativeReads]:
-    """Every NativeReads a restore makes, kept for the test to look at."""
-    plans: list[in_place.NativeReads] = []
-    made = in_place.NativeReads
-
-    def kept(*args, **kwargs):  # type: ignore[no-untyped-def]
-        plans.append(made(*args, **kwargs))
-        return plans[-1]
-
-    monkeypatch.setattr(restore_stream, "NativeReads", kept)
-    return plans
 
 
 def _retries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -88,7 +75,7 @@ def test_a_lossy_chain_is_decoded_from_the_loops_buffers_as_the_python_reads_dec
     store, tokens = _lossy_store(open_store, tmp_path / "store")
     codecs = [store.disk.placements([k])[k].codec for k in store.session("s").block_keys]
     assert len(set(codecs[:-1])) == 1 and codecs[-1] != codecs[0]  # int8, then the exact recent block
-    plans = _plans(monkeypatch)
+    plans = kept_read_plans(monkeypatch)
     again = _retries(monkeypatch)
     native = store.load(store.session("s"))
     (plan,) = plans

@@ -29,7 +29,7 @@ from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import files_and_index, flip_byte, record_files
+from stored import files_and_index, flip_byte, kept_read_plans, record_files
 
 Factory = Callable[..., KVStore]
 COMPACTOR = Path(__file__).with_name("compact_writer.py")
@@ -94,18 +94,11 @@ def test_a_chain_across_holes_is_read_in_place_by_the_native_loop(
 ) -> None:
     """Records with deleted ones between them: the native read loop reads through the holes (to
     scratch) and every record lands in its slice, checked."""
-    from kvstrata.store import _native_crc, in_place, restore_stream
+    from kvstrata.store import _native_crc
 
     if _native_crc.LIBRARY.load(timeout=120) is None:
         pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
-    plans: list[in_place.NativeReads] = []
-    native_reads = in_place.NativeReads
-
-    def kept(*args, **kwargs):  # type: ignore[no-untyped-def]
-        plans.append(native_reads(*args, **kwargs))
-        return plans[-1]
-
-    monkeypatch.setattr(restore_stream, "NativeReads", kept)
+    plans = kept_read_plans(monkeypatch)
     store = _disk_only(open_store)
     tokens = _fill(store, "s", 0, 8)
     keys = store.session("s").block_keys
