@@ -101,3 +101,13 @@ def kept_read_plans(monkeypatch: Any) -> list[Any]:
 
     monkeypatch.setattr(restore_stream, "NativeReads", kept)
     return plans
+
+
+def page_cache_reads(monkeypatch: Any, cached: bool = True) -> None:
+    """Restores from now on take the segments for cached (``cached``: read through the page
+    cache, in place where they can) or cold (direct reads into aligned buffers), whatever the
+    page cache holds: a checkpoint drops the pages it wrote once they are on disk, so which path a
+    test's restore took would depend on the kernel's writeback."""
+    from kvstrata.store import restore_stream
+
+    monkeypatch.setattr(restore_stream, "cached", lambda extents, paths: cached)

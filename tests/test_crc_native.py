@@ -23,7 +23,7 @@ from kvstrata.store import _native_crc, in_place, restore_stream
 from kvstrata.store.kvbin import HEADER_BYTES
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte
+from stored import flip_byte, page_cache_reads
 
 Factory = Callable[..., KVStore]
 
@@ -226,6 +226,7 @@ def test_an_in_place_restore_checks_every_record_and_finds_damage(
         return checker(*args) if native else None  # type: ignore[arg-type]
 
     monkeypatch.setattr(in_place, "crc32c_runs", counted)
+    page_cache_reads(monkeypatch)  # read in place (direct reads are checked as whole records)
     store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     session = store.create_session("s")
     tokens = list(range(6 * LAYOUT.block_tokens))

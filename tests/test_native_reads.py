@@ -20,7 +20,7 @@ from kvstrata.store.tiers import segment_reads
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte, kept_read_plans
+from stored import flip_byte, kept_read_plans, page_cache_reads
 
 Factory = Callable[..., KVStore]
 BLOCKS = 8
@@ -72,6 +72,7 @@ def test_a_lossy_chain_is_decoded_from_the_loops_buffers_as_the_python_reads_dec
     same tensor as the Python reads of the same store."""
     monkeypatch.setattr(restore_stream, "NATIVE_SLOT_BYTES", slot_bytes)
     monkeypatch.setattr(restore_stream, "buffered_chunk_bytes", lambda extents: 1)  # a range a record
+    page_cache_reads(monkeypatch)  # the exact record in place
     store, tokens = _lossy_store(open_store, tmp_path / "store")
     codecs = [store.disk.placements([k])[k].codec for k in store.session("s").block_keys]
     assert len(set(codecs[:-1])) == 1 and codecs[-1] != codecs[0]  # int8, then the exact recent block
@@ -122,6 +123,7 @@ def test_a_small_restore_asks_the_kernel_for_its_bytes_first(
         advise(fd, offset, length, advice)
 
     monkeypatch.setattr(segment_reads.os, "posix_fadvise", recorded)
+    page_cache_reads(monkeypatch)  # direct reads want no hint: they bypass the page cache
     store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     session = store.create_session("s")
     tokens = list(range(BLOCKS * LAYOUT.block_tokens))

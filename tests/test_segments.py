@@ -29,7 +29,7 @@ from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import files_and_index, flip_byte, kept_read_plans, record_files
+from stored import files_and_index, flip_byte, kept_read_plans, page_cache_reads, record_files
 
 Factory = Callable[..., KVStore]
 COMPACTOR = Path(__file__).with_name("compact_writer.py")
@@ -99,6 +99,7 @@ def test_a_chain_across_holes_is_read_in_place_by_the_native_loop(
     if _native_crc.LIBRARY.load(timeout=120) is None:
         pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
     plans = kept_read_plans(monkeypatch)
+    page_cache_reads(monkeypatch)
     store = _disk_only(open_store)
     tokens = _fill(store, "s", 0, 8)
     keys = store.session("s").block_keys

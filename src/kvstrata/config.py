@@ -132,6 +132,10 @@ class StoreConfig:
     writer_bandwidth_bytes_per_s: float | None = None
     eviction: str = "cost"
     promote_on_read: bool = True
+    l3_direct_reads: bool = True
+    """Restores read L3 segments that are not in the page cache with ``O_DIRECT``, straight from
+    the disk into their buffers (the kernel neither copies them nor keeps a second copy in memory);
+    False: always through the page cache."""
     min_dwell_s: float = 2.0
     """A demoted block is not promoted again by reads of agents that are not running (hints,
     prefetch) before this long; a scheduled agent's reads always promote."""

@@ -37,6 +37,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.kvs_preadv_ranges_start.argtypes = ranges
     lib.kvs_preadv_ranges_join.restype = None
     lib.kvs_preadv_ranges_join.argtypes = [ctypes.c_void_p]
+    lib.kvs_resident_pages.restype = ctypes.c_int64
+    lib.kvs_resident_pages.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return None
 
 
@@ -166,3 +168,14 @@ def join_preadv_ranges(handle: int) -> None:
     lib = LIBRARY.loaded()
     assert lib is not None, "a handle comes from a loaded library"
     lib.kvs_preadv_ranges_join(handle)
+
+
+def resident_pages(fd: int, offset: int, length: int) -> int | None:
+    """How many pages of bytes ``[offset, offset + length)`` of the open file ``fd`` are in the
+    page cache (``mincore`` over a mapping of them); None when the library is not loaded or the
+    file cannot be mapped."""
+    lib = LIBRARY.loaded()
+    if lib is None:
+        return None
+    pages = int(lib.kvs_resident_pages(fd, offset, length))
+    return pages if pages >= 0 else None

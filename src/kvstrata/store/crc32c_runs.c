@@ -12,13 +12,17 @@
  * The three-stream method and its zero-shift tables follow Mark Adler's crc32c.c (zlib licence,
  * https://stackoverflow.com/a/17646775). Same value as the `crc32c` package's crc32c(data, crc):
  * `crc` is a previous result (0 to start), the result is final (inverted). */
+#define _GNU_SOURCE /* O_DIRECT */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <unistd.h>
 #include <time.h>
 
 #if defined(__x86_64__)
@@ -178,8 +182,13 @@ uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t 
  * released[after[r]] is set (the caller has decoded the range that used its buffer before;
  * after[r] < 0: no wait). A negative released[] value cancels the reads left: each gets
  * -ECANCELED (the caller stops early, on an error). Polled every KVS_GATE_POLL_NS: a wait means
- * the decoders are behind, and the disk keeps reading ahead meanwhile. */
+ * the decoders are behind, and the disk keeps reading ahead meanwhile.
+ *
+ * A file opened with O_DIRECT (the caller aligned offsets, buffers and lengths) reads past the
+ * page cache, straight from the disk into the buffers: a short read there is the end of the file
+ * (continuing from an unaligned offset would fail with EINVAL). */
 #define KVS_IOV_MAX 1024
+#define KVS_DIRECT_ALIGN 4096 /* in_place.DIRECT_ALIGN */
 #define KVS_GATE_POLL_NS 20000
 
 /* 1: range r may be read; 0: cancelled. */
@@ -210,6 +219,7 @@ int64_t kvs_preadv_ranges(const int64_t *fds, int64_t count, const int64_t *offs
             continue;
         }
         size_t skip = 0; /* bytes of iovs[i] already filled */
+        int direct = (fcntl(fd, F_GETFL) & O_DIRECT) != 0;
         while (i < end) {
             int n = 0;
             for (int64_t j = i; j < end && n < KVS_IOV_MAX; j++) local[n++] = iovs[j];
@@ -223,6 +233,8 @@ int64_t kvs_preadv_ranges(const int64_t *fds, int64_t count, const int64_t *offs
             }
             if (now == 0) break; /* the end of the file */
             got += now;
+            if (direct && (got & (KVS_DIRECT_ALIGN - 1))) break; /* the end of the file: the next
+                                                                    offset is not aligned */
             size_t left = (size_t)now + skip;
             while (i < end && left >= iovs[i].iov_len) left -= iovs[i++].iov_len;
             skip = left;
@@ -266,4 +278,29 @@ void kvs_preadv_ranges_join(void *handle) {
     struct kvs_reads *job = handle;
     pthread_join(job->thread, NULL);
     free(job);
+}
+
+/* How many of the pages of [offset, offset + length) of fd the page cache holds (mincore over a
+ * mapping of them), or -errno. */
+int64_t kvs_resident_pages(int fd, int64_t offset, int64_t length) {
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0 || offset < 0 || length < 0) return -(int64_t)EINVAL;
+    int64_t start = offset - offset % page, span = offset + length - start;
+    if (span == 0) return 0;
+    void *map = mmap(NULL, (size_t)span, PROT_READ, MAP_SHARED, fd, (off_t)start);
+    if (map == MAP_FAILED) return -(int64_t)errno;
+    size_t pages = (size_t)((span + page - 1) / page);
+    unsigned char *vec = malloc(pages);
+    int64_t resident = -(int64_t)ENOMEM;
+    if (vec != NULL) {
+        if (mincore(map, (size_t)span, vec) == 0) {
+            resident = 0;
+            for (size_t p = 0; p < pages; p++) resident += vec[p] & 1;
+        } else {
+            resident = -(int64_t)errno;
+        }
+        free(vec);
+    }
+    munmap(map, (size_t)span);
+    return resident;
 }

@@ -93,11 +93,15 @@ class NativeReads:
         *,
         in_place: Sequence[bool] | None = None,
         slots: Sequence[bytearray] = (),
+        direct: bool = False,
     ) -> None:
         self.chunks, self.rows, self.per_token, self.flat = chunks, rows, per_token, flat
+        self.direct = direct and DIRECT is not None
         placed = [True] * len(chunks) if in_place is None else list(in_place)
         if not all(placed) and not slots:
             raise ValueError("ranges that are not read in place need buffers (slots)")
+        if direct and any(placed):
+            raise ValueError("direct reads go into buffers only (the destination's runs are not aligned)")
         read_in_place = [c for c, p in zip(chunks, placed, strict=True) if p]
         extents = [e for c in read_in_place for e in c.extents]
         count = len(extents)
@@ -128,6 +132,10 @@ class NativeReads:
         self._index = {e.position: k for k, e in enumerate(extents)}
         self.slot_of: list[bytearray | None] = [None] * len(chunks)
         self.offsets = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        self.lead = np.zeros(len(chunks), dtype=np.int64)
+        """Per range, the bytes read before its start (direct reads begin at an aligned offset)."""
+        self._pad = [0] * len(chunks)
+        """Per range, where its read begins in its buffer (aligned for direct reads)."""
         self.done = np.full(len(chunks), NOT_READ, dtype=np.int64)
         self.gate: Gate | None = None
         if all(placed):  # the usual exact restore: its iovs as they are
@@ -145,14 +153,20 @@ class NativeReads:
                 parts.append(iovs[first : first + n].reshape(-1, 2))
                 continue
             slot = slots[len(buffered) % len(slots)]
-            length = chunk.end - chunk.start
-            if len(slot) < length:
+            base = np.frombuffer(slot, dtype=np.uint8).ctypes.data
+            begin, length, pad = chunk.start, chunk.end - chunk.start, 0
+            if direct:  # offset, length and address aligned
+                begin -= begin % DIRECT_ALIGN
+                length = -(-(chunk.end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN
+                pad = -base % DIRECT_ALIGN
+            if len(slot) < pad + length:
                 raise ValueError(f"a buffer of {len(slot)} bytes is too small for a {length}-byte range")
             if len(buffered) >= len(slots):
                 after[r] = buffered[-len(slots)]  # the range that used this slot before
             buffered.append(r)
             self.slot_of[r] = slot
-            parts.append(np.array([[np.frombuffer(slot, dtype=np.uint8).ctypes.data, length]], np.uint64))
+            self.offsets[r], self.lead[r], self._pad[r] = begin, chunk.start - begin, pad
+            parts.append(np.array([[base + pad, length]], np.uint64))
         self.iovs = np.ascontiguousarray(np.concatenate(parts), dtype=np.uint64)
         self.first = np.cumsum([0, *(len(p) for p in parts)]).astype(np.int64)
         self.gate = Gate(after, np.zeros(len(chunks), np.int64))
@@ -161,7 +175,8 @@ class NativeReads:
         """The bytes range ``r`` (read into a buffer) holds, once :meth:`wait` has returned."""
         slot = self.slot_of[r]
         assert slot is not None, "a range read in place has no buffer"
-        return memoryview(slot)[: max(0, int(self.done[r]))]
+        start = self._pad[r] + int(self.lead[r])
+        return memoryview(slot)[start : max(start, self._pad[r] + int(self.done[r]))]
 
     def release(self, r: int) -> None:
         """Range ``r`` is done with: its buffer may take the next range that waits for it."""
@@ -201,10 +216,7 @@ class NativeReads:
         try:
             for r, chunk in enumerate(self.chunks):
                 if chunk.path not in opened:
-                    try:
-                        opened[chunk.path] = os.open(chunk.path, os.O_RDONLY)
-                    except OSError as exc:  # compacted away, removed: those ranges fail alone
-                        opened[chunk.path] = -(exc.errno or errno.EIO)
+                    opened[chunk.path] = _open(chunk.path, self.direct)
                 fds[r] = opened[chunk.path]
             plan = (fds, self.offsets, self.first, self.iovs, self.done)
             handle = start_preadv_ranges(*plan, self.gate)
@@ -230,4 +242,28 @@ class NativeReads:
         pause = 0.0 if r == len(self.chunks) - 1 else _POLL_S
         while (got := int(self.done[r])) == NOT_READ:
             time.sleep(pause)
-        return got
+        return got if got < 0 else max(0, got - int(self.lead[r]))
+
+
+DIRECT = getattr(os, "O_DIRECT", None)
+"""The open flag of direct reads (None where the platform has none: reads go through the page
+cache)."""
+DIRECT_ALIGN = 4096
+"""What direct reads align their file offsets, lengths and buffer addresses to (the page size,
+which covers every disk's logical block; the native loop's ``KVS_DIRECT_ALIGN``)."""
+
+
+def _open(path: Path, direct: bool) -> int:
+    """A descriptor to read ``path`` (with ``O_DIRECT`` when ``direct`` and the file system
+    takes it, else through the page cache: the aligned reads work either way), or ``-errno``
+    when it cannot be opened (compacted away, removed: its ranges fail alone)."""
+    if direct and DIRECT is not None:
+        try:
+            return os.open(path, os.O_RDONLY | DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this file system takes no direct reads
+                return -(exc.errno or errno.EIO)
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        return -(exc.errno or errno.EIO)

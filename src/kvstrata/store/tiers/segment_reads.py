@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstrata.keys import BlockKey
+from kvstrata.store._native_crc import resident_pages
 from kvstrata.store.index.block_rows import Placement
 
 CHUNK_BYTES = 4 << 20
@@ -46,6 +47,10 @@ unless said): int8 8.4 MB 0.84x the time without, 13.6 MB (1,024 tokens) 0.90x, 
 (256 tokens) 0.96x; an exact 23.6 MB restore took 1.12x as long (the kernel reads at most its
 readahead window, 8 MiB here, of such a hint, and the reads after it found no readahead under way),
 so larger restores leave it to the kernel's readahead."""
+
+CACHED_FRACTION = 0.5
+"""A restore whose pages the page cache holds at least this share of reads through it; a colder
+one reads straight from the disk (``StoreConfig.l3_direct_reads``)."""
 
 
 @dataclass(slots=True)
@@ -139,21 +144,50 @@ def plan_chunks(
     return chunks
 
 
+def spans(extents: Sequence[Extent]) -> dict[str, tuple[int, int]]:
+    """Per segment, the span ``(first byte, end)`` that the records of ``extents`` in it cover."""
+    found: dict[str, tuple[int, int]] = {}
+    for extent in extents:
+        lo, hi = found.get(extent.placement.file_id, (extent.offset, 0))
+        found[extent.placement.file_id] = (
+            min(lo, extent.offset),
+            max(hi, extent.offset + extent.placement.nbytes),
+        )
+    return found
+
+
+def cached(extents: Sequence[Extent], paths: dict[str, Path]) -> bool:
+    """Whether the page cache holds at least ``CACHED_FRACTION`` of the pages ``extents`` lie in
+    (a segment a checkpoint wrote moments ago, or read since): those are read through it. True
+    when it cannot tell (no native helpers, a file that cannot be opened or mapped): the reads
+    through the page cache then work as before."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    resident = total = 0
+    for segment, (lo, hi) in spans(extents).items():
+        try:
+            fd = os.open(paths[segment], os.O_RDONLY)
+        except OSError:
+            return True
+        try:
+            pages = resident_pages(fd, lo, hi - lo)
+        finally:
+            os.close(fd)
+        if pages is None:
+            return True
+        resident += pages
+        total += -(-(hi - lo + lo % page) // page)
+    return total > 0 and resident >= CACHED_FRACTION * total
+
+
 def prefetch(extents: Sequence[Extent], paths: dict[str, Path]) -> None:
     """Ask the kernel to read the span of each segment that ``extents`` lie in
     (``posix_fadvise(WILLNEED)``: the reads start while the restore plans, instead of after),
     when they hold at most ``PREFETCH_MAX_BYTES``. A file that cannot be opened is left to the
     reads, which report it."""
-    spans: dict[str, tuple[int, int]] = {}
-    for extent in extents:
-        lo, hi = spans.get(extent.placement.file_id, (extent.offset, 0))
-        spans[extent.placement.file_id] = (
-            min(lo, extent.offset),
-            max(hi, extent.offset + extent.placement.nbytes),
-        )
-    if sum(hi - lo for lo, hi in spans.values()) > PREFETCH_MAX_BYTES or not hasattr(os, "posix_fadvise"):
+    found = spans(extents)
+    if sum(hi - lo for lo, hi in found.values()) > PREFETCH_MAX_BYTES or not hasattr(os, "posix_fadvise"):
         return
-    for segment, (lo, hi) in spans.items():
+    for segment, (lo, hi) in found.items():
         try:
             fd = os.open(paths[segment], os.O_RDONLY)
         except OSError:
