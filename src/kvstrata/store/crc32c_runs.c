@@ -185,8 +185,8 @@ uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t 
  * the decoders are behind, and the disk keeps reading ahead meanwhile.
  *
  * A file opened with O_DIRECT (the caller aligned offsets, buffers and lengths) reads past the
- * page cache, straight from the disk into the buffers: a short read there is the end of the file
- * (continuing from an unaligned offset would fail with EINVAL). */
+ * page cache, straight from the disk into the buffers: a short read there is the end of the file,
+ * and the loop does not ask again from the unaligned offset it leaves. */
 #define KVS_IOV_MAX 1024
 #define KVS_DIRECT_ALIGN 4096 /* in_place.DIRECT_ALIGN */
 #define KVS_GATE_POLL_NS 20000
@@ -233,8 +233,7 @@ int64_t kvs_preadv_ranges(const int64_t *fds, int64_t count, const int64_t *offs
             }
             if (now == 0) break; /* the end of the file */
             got += now;
-            if (direct && (got & (KVS_DIRECT_ALIGN - 1))) break; /* the end of the file: the next
-                                                                    offset is not aligned */
+            if (direct && (got & (KVS_DIRECT_ALIGN - 1))) break; /* the end of the file */
             size_t left = (size_t)now + skip;
             while (i < end && left >= iovs[i].iov_len) left -= iovs[i++].iov_len;
             skip = left;
