@@ -111,3 +111,19 @@ def page_cache_reads(monkeypatch: Any, cached: bool = True) -> None:
     from kvstrata.store import restore_stream
 
     monkeypatch.setattr(restore_stream, "cached", lambda extents, paths: cached)
+
+
+def per_block_reads(monkeypatch: Any) -> list[int]:
+    """One entry per block the restores from now on read the per-block way (one the segment
+    stream could not serve)."""
+    from kvstrata.store import restore
+
+    again: list[int] = []
+    read_into = restore.Restorer.read_into
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        again.append(1)
+        return read_into(self, *args)
+
+    monkeypatch.setattr(restore.Restorer, "read_into", counted)
+    return again

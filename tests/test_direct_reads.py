@@ -17,13 +17,12 @@ import torch
 
 from kvstrata import KVStore
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.store import _native_crc, in_place, restore, restore_stream
+from kvstrata.store import _native_crc, in_place, restore_stream
 from kvstrata.store.kvbin import HEADER_BYTES
-from kvstrata.store.tiers import segment_reads
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte, kept_read_plans, page_cache_reads
+from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads
 
 Factory = Callable[..., KVStore]
 BLOCKS = 6
@@ -68,18 +67,6 @@ def _opened_direct(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return flags
 
 
-def _retries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    again: list[int] = []
-    read_into = restore.Restorer.read_into
-
-    def counted(self, *args):  # type: ignore[no-untyped-def]
-        again.append(1)
-        return read_into(self, *args)
-
-    monkeypatch.setattr(restore.Restorer, "read_into", counted)
-    return again
-
-
 @pytest.mark.parametrize("ladder", ["exact", "int8"])
 def test_a_cold_chain_is_read_direct_into_aligned_buffers_as_the_page_cache_reads_read_it(
     open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ladder: str
@@ -89,7 +76,7 @@ def test_a_cold_chain_is_read_direct_into_aligned_buffers_as_the_page_cache_read
     store, tokens = _session(open_store, tmp_path / "store", ladder)
     plans = kept_read_plans(monkeypatch)
     opened = _opened_direct(monkeypatch)
-    again = _retries(monkeypatch)
+    again = per_block_reads(monkeypatch)
     page_cache_reads(monkeypatch, cached=False)
     direct = store.load(store.session("s"))
     (plan,) = plans
@@ -116,7 +103,7 @@ def test_a_damaged_record_read_direct_costs_only_its_own_block(
 ) -> None:
     store, _ = _session(open_store, tmp_path / "store", "exact")
     keys = store.session("s").block_keys
-    flip_byte(store, keys[3], at=HEADER_BYTES + 40)  # in the page cache, dirty: the direct read writes it back first
+    flip_byte(store, keys[3], at=HEADER_BYTES + 40)  # dirty in the page cache: written back first
     plans = kept_read_plans(monkeypatch)
     page_cache_reads(monkeypatch, cached=False)
     damaged = store.load(store.session("s"))
@@ -204,3 +191,27 @@ def test_a_direct_read_stops_at_an_unaligned_end_of_file(tmp_path: Path) -> None
         os.close(fd)
     assert int(done[0]) == len(data) - ALIGN
     assert room[pad : pad + len(data) - ALIGN].tobytes() == data[ALIGN:]
+
+
+def test_a_file_system_that_refuses_a_direct_read_is_read_through_the_page_cache(
+    open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A direct read the file system refuses (``EINVAL``: here, buffers it finds misaligned) costs
+    nothing but time: the blocks are read the per-block way, and the store's later restores go
+    through the page cache."""
+    store, tokens = _session(open_store, tmp_path / "store", "exact")
+    opened = _opened_direct(monkeypatch)
+    plans = kept_read_plans(monkeypatch)
+    page_cache_reads(monkeypatch, cached=False)
+    monkeypatch.setattr(in_place, "DIRECT_ALIGN", 1)  # nothing aligned: the kernel refuses
+    again = per_block_reads(monkeypatch)
+    first = store.load(store.session("s"))
+    if opened != [True]:
+        pytest.skip("this file system takes no direct reads")
+    assert plans[0].direct and (plans[0].done == -errno.EINVAL).all()
+    assert len(again) == BLOCKS and first.tokens_by_tier == {TierLevel.L3: len(tokens)}
+    assert torch.equal(first.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
+    assert "refused a direct read" in caplog.text
+    again.clear()
+    store.load(store.session("s"))
+    assert not plans[-1].direct and again == []

@@ -14,13 +14,13 @@ import torch
 from kvstrata import KVStore
 from kvstrata.native.library import NativeLibrary
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.store import _native_crc, restore, restore_stream
+from kvstrata.store import _native_crc, restore_stream
 from kvstrata.store.kvbin import HEADER_BYTES
 from kvstrata.store.tiers import segment_reads
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte, kept_read_plans, page_cache_reads
+from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads
 
 Factory = Callable[..., KVStore]
 BLOCKS = 8
@@ -31,19 +31,6 @@ INT8_BUT_LAST = CodecLadder(interactive=Rung("int8", "int8"), recent_blocks=1)
 def _native() -> None:
     if _native_crc.LIBRARY.load(timeout=120) is None:
         pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
-
-
-def _retries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per block a restore reads the per-block way (one the loop could not serve)."""
-    again: list[int] = []
-    read_into = restore.Restorer.read_into
-
-    def counted(self, *args):  # type: ignore[no-untyped-def]
-        again.append(1)
-        return read_into(self, *args)
-
-    monkeypatch.setattr(restore.Restorer, "read_into", counted)
-    return again
 
 
 def _lossy_store(open_store: Factory, root: Path) -> tuple[KVStore, list[int]]:
@@ -77,7 +64,7 @@ def test_a_lossy_chain_is_decoded_from_the_loops_buffers_as_the_python_reads_dec
     codecs = [store.disk.placements([k])[k].codec for k in store.session("s").block_keys]
     assert len(set(codecs[:-1])) == 1 and codecs[-1] != codecs[0]  # int8, then the exact recent block
     plans = kept_read_plans(monkeypatch)
-    again = _retries(monkeypatch)
+    again = per_block_reads(monkeypatch)
     native = store.load(store.session("s"))
     (plan,) = plans
     assert again == []  # every record served from the loop's reads

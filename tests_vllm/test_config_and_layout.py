@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstrata.config import StoreConfig
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.vllm.config import ConnectorConfig, parse_ladder, parse_size
 from kvstrata.integrations.vllm.layout import PageFormat
@@ -33,6 +34,7 @@ def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
             "l1_budget_bytes": "64MiB",
             "l2_budget_bytes": 1 << 30,
             "l3_budget_bytes": "10GiB",
+            "l3_direct_reads": False,
             "write_policy": "write-back",
             "priority": "interactive",
             "namespace": "team-a",
@@ -46,6 +48,7 @@ def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
     assert cfg.store_dir == tmp_path / "s"
     assert cfg.store.l1_budget_bytes == 64 << 20
     assert cfg.store.l3_budget_bytes == 10 << 30
+    assert cfg.store.l3_direct_reads is False and StoreConfig().l3_direct_reads is True
     assert cfg.store.write_policy.value == "write-back"
     assert cfg.priority is Priority.INTERACTIVE
     assert cfg.namespace == "team-a"

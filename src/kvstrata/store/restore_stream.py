@@ -23,6 +23,7 @@ quarantines damage and falls back to L4.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import queue
@@ -94,6 +95,9 @@ RETRY = object()
 class SegmentStream:
     def __init__(self, restorer: Restorer) -> None:
         self.restorer = restorer
+        self.direct_refused = False
+        """The file system refused a direct read (``EINVAL``: it wants another alignment): this
+        store's restores read through the page cache from then on."""
 
     def extents(
         self, keys: Sequence[BlockKey], positions: Sequence[int], max_loss: int | None
@@ -299,6 +303,9 @@ class SegmentStream:
         range's buffer, the hits accounted; per position, the hit or ``RETRY``."""
         got = reads.wait(r)
         if got < 0:  # gone (compacted, removed) or unreadable: the per-block path decides
+            if got == -errno.EINVAL and reads.direct and not self.direct_refused:
+                self.direct_refused = True
+                log.warning("%s refused a direct read; restores read through the page cache", chunk.path)
             return dict.fromkeys((e.position for e in chunk.extents), RETRY)
         chunk.got = got
         buffered = reads.slot_of[r] is not None
@@ -349,7 +356,7 @@ class SegmentStream:
         restore, read direct, waited for its buffers to be copied out while the disk stood idle
         (no readahead goes on meanwhile): 8,192 SmolLM2 tokens, 0.82x of a raw read against
         0.95x in place; 512 tokens read direct, 0.82x the time of the reads in place."""
-        if not self.restorer.tiered.config.l3_direct_reads:
+        if not self.restorer.tiered.config.l3_direct_reads or self.direct_refused:
             return False
         return not exact or sum(e.placement.nbytes for e in extents) <= NATIVE_SLOT_BYTES
 

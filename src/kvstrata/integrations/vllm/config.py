@@ -195,6 +195,7 @@ class ConnectorConfig:
             encryption_key=encryption_key,
             remote=remote,
             namespace_quotas=_quotas(data.get("namespace_quotas")),
+            l3_direct_reads=_bool(data.get("l3_direct_reads", defaults.l3_direct_reads), "l3_direct_reads"),
         )
 
         namespace = str(data.get("namespace", DEFAULT_NAMESPACE))
@@ -233,6 +234,7 @@ _KEYS = (
     "l1_budget_bytes",
     "l2_budget_bytes",
     "l3_budget_bytes",
+    "l3_direct_reads",
     "device",
     "write_policy",
     "eviction",
