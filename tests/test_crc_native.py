@@ -108,6 +108,15 @@ def test_preadv_ranges_reads_every_range_into_its_buffers(tmp_path: Path) -> Non
         handle = _native_crc.start_preadv_ranges(fds, offsets, first, iovs, done)  # on a thread
         assert handle is not None
         _native_crc.join_preadv_ranges(handle)
+        assert done.tolist() == [92 + 16384 + 4, 2500 * 7, 10]
+        done[:] = _native_crc.NOT_READ  # two threads side by side: ranges 0 and 2, then range 1
+        evens = _native_crc.start_preadv_ranges(fds, offsets, first, iovs, done, start=0, step=2)
+        assert evens is not None
+        _native_crc.join_preadv_ranges(evens)
+        assert done[1] == _native_crc.NOT_READ and done[0] > 0 and done[2] > 0
+        odds = _native_crc.start_preadv_ranges(fds, offsets, first, iovs, done, start=1, step=2)
+        assert odds is not None
+        _native_crc.join_preadv_ranges(odds)
     finally:
         os.close(fd)
     assert done.tolist() == [92 + 16384 + 4, 2500 * 7, 10]
@@ -134,6 +143,8 @@ def test_preadv_ranges_reports_an_error_per_range_and_checks_its_arguments(tmp_p
             _native_crc.preadv_ranges(fds, offsets, first[:-1], iovs, done)
         with pytest.raises(ValueError, match="outside"):
             _native_crc.preadv_ranges(fds, offsets, first + 1, iovs, done)
+        with pytest.raises(ValueError, match="start, start \\+ step"):
+            _native_crc.preadv_ranges(fds, offsets, first, iovs, done, start=0, step=0)
     finally:
         os.close(fd)
 
@@ -210,9 +221,9 @@ def test_an_in_place_restore_checks_every_record_and_finds_damage(
     looped: list[np.ndarray] = []
     loop = in_place.start_preadv_ranges
 
-    def counted_loop(*args):  # type: ignore[no-untyped-def]
+    def counted_loop(*args, **kwargs):  # type: ignore[no-untyped-def]
         looped.append(args[0])
-        return loop(*args)
+        return loop(*args, **kwargs)
 
     monkeypatch.setattr(in_place, "start_preadv_ranges", counted_loop)
     if reads == "python":

@@ -82,6 +82,7 @@ def test_a_cold_chain_is_read_direct_into_aligned_buffers_as_the_page_cache_read
     (plan,) = plans
     assert again == [] and direct.tokens_by_tier == {TierLevel.L3: len(tokens)}
     assert plan.direct and opened == [True]
+    assert plan.gate is None or (plan.gate.after < 0).all()  # a buffer each: DIRECT_STREAMS loops
     assert all(slot is not None for slot in plan.slot_of)  # every range into a buffer, none in place
     assert not (plan.offsets % ALIGN).any() and not (plan.iovs % ALIGN).any()  # offsets, addresses, lengths
     wanted = [c.end - c.start for c in plan.chunks]

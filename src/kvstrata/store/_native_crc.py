@@ -29,8 +29,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.kvs_crc32c_runs.argtypes = [
         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64
     ]  # fmt: skip
-    # fds, count, offsets, first, iovs, done, after, released
-    ranges = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6]
+    # fds, count, offsets, first, iovs, done, after, released, start, step
+    ranges = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.c_int64]
     lib.kvs_preadv_ranges.restype = ctypes.c_int64
     lib.kvs_preadv_ranges.argtypes = ranges
     lib.kvs_preadv_ranges_start.restype = ctypes.c_void_p
@@ -130,18 +130,22 @@ def preadv_ranges(
     iovs: np.ndarray,
     done: np.ndarray,
     gate: Gate | None = None,
+    *,
+    start: int = 0,
+    step: int = 1,
 ) -> bool:
     """Read ranges in one native call, the GIL released throughout: range ``r`` of file
     descriptor ``fds[r]`` (or ``-errno``: its file could not be opened) from file offset
     ``offsets[r]`` into the buffers ``iovs[first[r]:first[r + 1]]`` (rows of (address, length),
     uint64), then ``done[r]`` set to the bytes read or ``-errno`` (readers poll it;
     :data:`NOT_READ` until then); with ``gate``, ranges wait for the caller to release the ones
-    before them (:class:`Gate`). False, reading nothing, when the library is not loaded. The
-    caller keeps every buffer alive until the call returns."""
+    before them (:class:`Gate`). Only ranges ``start, start + step, ...`` are read (several
+    calls, each on a thread, keep several reads in flight). False, reading nothing, when the
+    library is not loaded. The caller keeps every buffer alive until the call returns."""
     lib = LIBRARY.loaded()
     if lib is None:
         return False
-    lib.kvs_preadv_ranges(*_checked(fds, offsets, first, iovs, done, gate))
+    lib.kvs_preadv_ranges(*_checked(fds, offsets, first, iovs, done, gate), *_stride(start, step))
     return True
 
 
@@ -152,6 +156,9 @@ def start_preadv_ranges(
     iovs: np.ndarray,
     done: np.ndarray,
     gate: Gate | None = None,
+    *,
+    start: int = 0,
+    step: int = 1,
 ) -> int | None:
     """:func:`preadv_ranges` on a native thread of its own, returning at once: a handle for
     :func:`join_preadv_ranges` (which the caller must call, and keep every array and buffer alive
@@ -159,8 +166,15 @@ def start_preadv_ranges(
     lib = LIBRARY.loaded()
     if lib is None:
         return None
-    handle: int | None = lib.kvs_preadv_ranges_start(*_checked(fds, offsets, first, iovs, done, gate))
+    checked = _checked(fds, offsets, first, iovs, done, gate)
+    handle: int | None = lib.kvs_preadv_ranges_start(*checked, *_stride(start, step))
     return handle
+
+
+def _stride(start: int, step: int) -> tuple[int, int]:
+    if start < 0 or step < 1:
+        raise ValueError(f"preadv_ranges reads ranges start, start + step, ...: got {start}, {step}")
+    return start, step
 
 
 def join_preadv_ranges(handle: int) -> None:

@@ -184,6 +184,9 @@ uint32_t kvs_crc32c_runs(uint32_t crc, const unsigned char *base, const int64_t 
  * -ECANCELED (the caller stops early, on an error). Polled every KVS_GATE_POLL_NS: a wait means
  * the decoders are behind, and the disk keeps reading ahead meanwhile.
  *
+ * `start` and `step` pick the ranges one call reads (start, start + step, ...): several calls on
+ * threads of their own keep several reads in flight, which direct reads (no readahead) want.
+ *
  * A file opened with O_DIRECT (the caller aligned offsets, buffers and lengths) reads past the
  * page cache, straight from the disk into the buffers: a short read there is the end of the file,
  * and the loop does not ask again from the unaligned offset it leaves. */
@@ -205,13 +208,14 @@ static int kvs_gate_open(const int64_t *after, const int64_t *released, int64_t 
 
 int64_t kvs_preadv_ranges(const int64_t *fds, int64_t count, const int64_t *offsets, const int64_t *first,
                           const struct iovec *iovs, int64_t *done, const int64_t *after,
-                          const int64_t *released) {
+                          const int64_t *released, int64_t start, int64_t step) {
     struct iovec local[KVS_IOV_MAX];
-    for (int64_t r = 0; r < count; r++) {
+    if (start < 0 || step < 1) return -(int64_t)EINVAL;
+    for (int64_t r = start; r < count; r += step) {
         int64_t i = first[r], end = first[r + 1], got = 0, result = 0;
         int fd = (int)fds[r];
         if (!kvs_gate_open(after, released, r)) {
-            for (; r < count; r++) __atomic_store_n(&done[r], -(int64_t)ECANCELED, __ATOMIC_RELEASE);
+            for (; r < count; r += step) __atomic_store_n(&done[r], -(int64_t)ECANCELED, __ATOMIC_RELEASE);
             break;
         }
         if (fds[r] < 0) { /* its file could not be opened: fds[r] is -errno */
@@ -247,25 +251,28 @@ struct kvs_reads {
     pthread_t thread;
     const int64_t *fds, *offsets, *first;
     const struct iovec *iovs;
-    int64_t *done, count;
+    int64_t *done, count, start, step;
     const int64_t *after, *released;
 };
 
 static void *kvs_reads_run(void *arg) {
     struct kvs_reads *job = arg;
     kvs_preadv_ranges(job->fds, job->count, job->offsets, job->first, job->iovs, job->done, job->after,
-                      job->released);
+                      job->released, job->start, job->step);
     return NULL;
 }
 
 /* A handle for kvs_preadv_ranges_join, or NULL when no thread could be started (nothing read). */
 void *kvs_preadv_ranges_start(const int64_t *fds, int64_t count, const int64_t *offsets,
                               const int64_t *first, const struct iovec *iovs, int64_t *done,
-                              const int64_t *after, const int64_t *released) {
+                              const int64_t *after, const int64_t *released, int64_t start,
+                              int64_t step) {
+    if (start < 0 || step < 1) return NULL;
     struct kvs_reads *job = malloc(sizeof *job);
     if (job == NULL) return NULL;
     job->fds = fds, job->count = count, job->offsets = offsets, job->first = first;
     job->iovs = iovs, job->done = done, job->after = after, job->released = released;
+    job->start = start, job->step = step;
     if (pthread_create(&job->thread, NULL, kvs_reads_run, job) != 0) {
         free(job);
         return NULL;

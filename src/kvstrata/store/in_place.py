@@ -219,17 +219,24 @@ class NativeReads:
                     opened[chunk.path] = _open(chunk.path, self.direct)
                 fds[r] = opened[chunk.path]
             plan = (fds, self.offsets, self.first, self.iovs, self.done)
-            handle = start_preadv_ranges(*plan, self.gate)
-            # no thread: read here, then check (not with buffers to hand back: the reads would wait)
-            if handle is None and (self.gate is not None or not preadv_ranges(*plan)):
-                self.done[:] = -errno.EIO
+            # direct reads have no readahead: several in flight, when no range waits for a buffer
+            waits = self.gate is not None and bool((self.gate.after >= 0).any())
+            streams = DIRECT_STREAMS if self.direct and not waits else 1
+            handles = []
+            for k in range(streams):
+                handle = start_preadv_ranges(*plan, self.gate, start=k, step=streams)
+                if handle is not None:
+                    handles.append(handle)
+                # no thread: read here, then check (not with buffers to hand back: the reads would wait)
+                elif self.gate is not None or not preadv_ranges(*plan, start=k, step=streams):
+                    self.done[k::streams] = -errno.EIO
             try:
                 yield
             except BaseException:
                 self.cancel()  # the reads left are not wanted; those under way end first
                 raise
             finally:
-                if handle is not None:
+                for handle in handles:
                     join_preadv_ranges(handle)
         finally:
             for fd in opened.values():
@@ -248,6 +255,10 @@ class NativeReads:
 DIRECT = getattr(os, "O_DIRECT", None)
 """The open flag of direct reads (None where the platform has none: reads go through the page
 cache)."""
+DIRECT_STREAMS = 2
+"""Native loops reading a direct restore's ranges side by side (range ``k``, ``k + 2``, ... each),
+when every range has a buffer of its own: two record-sized direct reads in flight took 0.86-0.90x
+the time of one after another (a 23.6 MB segment, alternated, medians of 25-40); four, 0.90x."""
 DIRECT_ALIGN = 4096
 """What direct reads align their file offsets, lengths and buffer addresses to (the page size,
 which covers every disk's logical block; the native loop's ``KVS_DIRECT_ALIGN``)."""
