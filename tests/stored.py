@@ -127,3 +127,20 @@ def per_block_reads(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(restore.Restorer, "read_into", counted)
     return again
+
+
+def session_in_l3(open_store: Any, root: Path, blocks: int, **options: Any) -> tuple[KVStore, list[int]]:
+    """A session ``s`` (interactive) of ``blocks`` blocks checkpointed into one L3 segment, the
+    re-encodes down the ladder flushed, and the store reopened with empty memory tiers (unless
+    ``options`` give them): its restores read L3. The reopened store and the session's tokens."""
+    from conftest import LAYOUT, token_kv
+
+    options = {"l1_budget_bytes": 0, "l2_budget_bytes": 0, **options}
+    store = open_store(root, **options)
+    session = store.create_session("s", priority="interactive")
+    tokens = list(range(blocks * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    store.checkpoint(session)
+    store.flush()  # the re-encodes down the ladder reach L3
+    store.close()
+    return open_store(root, **options), tokens

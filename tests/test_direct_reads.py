@@ -22,7 +22,7 @@ from kvstrata.store.kvbin import HEADER_BYTES
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads
+from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads, session_in_l3
 
 Factory = Callable[..., KVStore]
 BLOCKS = 6
@@ -40,16 +40,7 @@ def _native() -> None:
 
 
 def _session(open_store: Factory, root: Path, ladder: str, **config: object) -> tuple[KVStore, list[int]]:
-    """``BLOCKS`` blocks checkpointed into one segment, the store reopened with empty memory tiers."""
-    options = {"l1_budget_bytes": 0, "l2_budget_bytes": 0, "ladder": LADDERS[ladder], **config}
-    store = open_store(root, **options)
-    session = store.create_session("s", priority="interactive")
-    tokens = list(range(BLOCKS * LAYOUT.block_tokens))
-    store.append(session, tokens, token_kv(LAYOUT, tokens))
-    store.checkpoint(session)
-    store.flush()  # the re-encodes down the ladder reach L3
-    store.close()
-    return open_store(root, **options), tokens
+    return session_in_l3(open_store, root, BLOCKS, ladder=LADDERS[ladder], **config)
 
 
 def _opened_direct(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

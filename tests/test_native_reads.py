@@ -20,7 +20,7 @@ from kvstrata.store.tiers import segment_reads
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads
+from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads, session_in_l3
 
 Factory = Callable[..., KVStore]
 BLOCKS = 8
@@ -35,14 +35,7 @@ def _native() -> None:
 
 def _lossy_store(open_store: Factory, root: Path) -> tuple[KVStore, list[int]]:
     """A session of ``BLOCKS`` blocks in L3: all int8 but the most recent (exact), one segment."""
-    store = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0, ladder=INT8_BUT_LAST)
-    session = store.create_session("s", priority="interactive")
-    tokens = list(range(BLOCKS * LAYOUT.block_tokens))
-    store.append(session, tokens, token_kv(LAYOUT, tokens))
-    store.checkpoint(session)
-    store.flush()  # the re-encodes down the ladder reach L3
-    store.close()
-    return open_store(root, l1_budget_bytes=0, l2_budget_bytes=0, ladder=INT8_BUT_LAST), tokens
+    return session_in_l3(open_store, root, BLOCKS, ladder=INT8_BUT_LAST)
 
 
 def _python_reads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,10 @@ in one go, no GIL from the first read to the last) while the caller's thread che
 as soon as its read is published; from Python, the reader got the GIL back from the checking
 thread after every read and made the next scatter list between two reads, and the disk waited
 (1,024 SmolLM2 tokens: 34.8 -> 28.3 ms, a plain read of the file 28.7; 8,192: 269 -> 170 ms,
-alternated in one process). A record that cannot be
+alternated in one process). A restore whose segments the page cache does not hold reads them
+with ``O_DIRECT`` into aligned buffers instead (records to decode always, exact ones when the
+restore fits in ``NATIVE_SLOT_BYTES``; :meth:`SegmentStream._direct`), then verifies and decodes
+them from there: the kernel neither copies them nor keeps them. A record that cannot be
 served from its range (a segment compacted away meanwhile, a damaged record, a short file) is
 answered ``RETRY``: the restore reads it again the per-block way, which asks the index again,
 quarantines damage and falls back to L4.
