@@ -207,3 +207,12 @@ def test_a_file_system_that_refuses_a_direct_read_is_read_through_the_page_cache
     again.clear()
     store.load(store.session("s"))
     assert not plans[-1].direct and again == []
+
+
+def test_the_switch_takes_only_true_or_false() -> None:
+    from kvstrata.config import StoreConfig
+    from kvstrata.errors import ConfigError
+
+    assert StoreConfig().l3_direct_reads and not StoreConfig(l3_direct_reads=False).l3_direct_reads
+    with pytest.raises(ConfigError, match="l3_direct_reads must be True or False"):
+        StoreConfig(l3_direct_reads="no")  # type: ignore[arg-type]  # a truthy string is not a yes

@@ -156,6 +156,9 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be >= 0")
         if self.l3_budget_bytes is not None and self.l3_budget_bytes <= 0:
             raise ConfigError("l3_budget_bytes must be positive or None (unlimited)")
+        for name in ("pin_host_memory", "promote_on_read", "l3_direct_reads"):
+            if not isinstance(getattr(self, name), bool):  # "no" would be taken for yes
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
             raise ConfigError(
                 "watermarks must satisfy 0 < low < high <= 1, "
