@@ -6,6 +6,11 @@ and writes through L4. No read may raise or return wrong bytes (a miss is allowe
 recomputes), and once every live node reports ``cluster_state:ok`` again, every session must be
 readable through L4 within the issue's bound of 2 s; a store opened after the failover reads
 everything at once. Before each test, a node killed by the previous one rejoins as a replica.
+
+The bound is asserted on what the store decides, not on how fast this machine runs the test's
+read loop: the store is ready (its breaker closed again, and the cluster ok) within 2 s, and from
+then on no read misses. A full pass over the 40 sessions took 0.2-0.4 s here, but on a loaded
+2-core CI machine the same pass once took longer than the bound itself.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from kvstrata import KVStore, SessionNotFoundError
 from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.breaker import CircuitBreaker
 from kvstrata.store.tiers.remote import RemoteConfig
 
 from conftest import LAYOUT, token_kv
@@ -86,6 +92,24 @@ def _kill(servers: list[RedisServer], master: RedisServer) -> float:
     return time.monotonic()
 
 
+def _ready_at(store: KVStore, cluster_ok: float) -> float:
+    """When ``store`` could serve L4 again: the later of the cluster being ok and its breaker's last
+    close (a breaker that closed during the failover and never opened again: the cluster's ok)."""
+    breaker = _breaker(store)
+    assert not breaker.open, f"{breaker.name}: the breaker is still open"
+    return max(cluster_ok, breaker.closed_at or cluster_ok)
+
+
+def _breaker(store: KVStore) -> CircuitBreaker:
+    assert store.tiered.remote.tier is not None
+    return store.tiered.remote.tier.breaker
+
+
+def _missed_once_ready(attempts: list[tuple[float, str, bool]], ready: float) -> list[str]:
+    """The sessions a read that started once the store was ready did not get whole."""
+    return sorted({name for started, name, whole in attempts if started >= ready and not whole})
+
+
 def _wait_ok(servers: list[RedisServer], dead: RedisServer) -> float:
     """When the cluster is ok again: every live node reports ``cluster_state:ok`` and flags the
     dead master as failed (its slots are served by its promoted replica)."""
@@ -135,7 +159,7 @@ def test_a_running_engine_reads_every_session_within_2s_of_the_cluster_being_ok(
     live: list[tuple[str, list[int]]] = []
     killed = threading.Event()
     whole_at: dict[str, float] = {}
-    read_misses = 0
+    attempts: list[tuple[float, str, bool]] = []  # (started, session, read whole)
 
     def write_step() -> None:
         name, i = f"live{len(live)}", SESSIONS + len(live)
@@ -145,17 +169,17 @@ def test_a_running_engine_reads_every_session_within_2s_of_the_cluster_being_ok(
         live.append((name, _tokens(i)))
 
     def read_step() -> None:
-        nonlocal read_misses
         for name, tokens in list(live[-3:]):
             _read(reader, name, tokens)
         if not killed.is_set():
             return
         for i, name in enumerate(names):
             if name not in whole_at:
-                if _read(reader, name, _tokens(i)) == len(_tokens(i)):
+                started = time.monotonic()
+                whole = _read(reader, name, _tokens(i)) == len(_tokens(i))
+                attempts.append((started, name, whole))
+                if whole:
                     whole_at[name] = time.monotonic()
-                else:
-                    read_misses += 1
 
     writing, reading = _Workload(write_step, 0.05), _Workload(read_step)
     writing.start()
@@ -171,22 +195,25 @@ def test_a_running_engine_reads_every_session_within_2s_of_the_cluster_being_ok(
     reading.finish()
     writing.finish()
 
-    late = {name: round(t - cluster_ok, 2) for name, t in whole_at.items() if t - cluster_ok > READY_BOUND_S}
     assert len(whole_at) == SESSIONS, f"never readable: {sorted(set(names) - set(whole_at))}"
-    assert not late, f"readable only this long after the cluster was ok: {late}"
+    ready = _ready_at(reader, cluster_ok)
+    assert ready - cluster_ok <= READY_BOUND_S, f"the reader was ready {ready - cluster_ok:.2f} s after ok"
+    assert not _missed_once_ready(attempts, ready), "a read missed after the reader was ready"
     slowest = max(whole_at.values()) - cluster_ok
+    misses = sum(not whole for _, _, whole in attempts)
     print(
-        f"\nkilled master {dead.port}; cluster ok {cluster_ok - killed_at:.2f} s later; "
-        f"all {SESSIONS} sessions whole {slowest:+.2f} s after cluster ok"
+        f"\nkilled master {dead.port}; cluster ok {cluster_ok - killed_at:.2f} s later; reader ready "
+        f"{ready - cluster_ok:+.2f} s after ok, all {SESSIONS} sessions whole {slowest:+.2f} s after ok"
     )
-    assert writer.tiered.remote.tier is not None and reader.tiered.remote.tier is not None
-    print(f"reader: {read_misses} misses, breaker trips {reader.tiered.remote.tier.breaker.trips}")
+    print(f"reader: {misses} misses, breaker trips {_breaker(reader).trips}")
 
     # the writer's checkpoints during the outage were kept locally; once its breaker is closed
     # again (by its probe, within the same bound), a new checkpoint publishes them
-    while writer.tiered.remote.tier.breaker.open:
-        assert time.monotonic() - cluster_ok < READY_BOUND_S, "the writer's breaker stayed open"
+    deadline = time.monotonic() + 30
+    while _breaker(writer).open and time.monotonic() < deadline:
         time.sleep(0.02)
+    writer_ready = _ready_at(writer, cluster_ok)
+    assert writer_ready - cluster_ok <= READY_BOUND_S, "the writer's breaker stayed open"
     for name, _ in live:
         session = writer.session(name)
         writer.checkpoint(session)
@@ -214,19 +241,28 @@ def test_a_store_opened_after_the_failover_reads_everything_at_once(
     monitor.start()
     mid_failover = open_store(tmp_path / "during", remote=remote, l1_budget_bytes=0, l2_budget_bytes=0)
     whole_at: dict[str, float] = {}
+    attempts: list[tuple[float, str, bool]] = []
     pending = dict(zip(names, map(_tokens, range(SESSIONS)), strict=True))
     deadline = time.monotonic() + 60
     while pending and time.monotonic() < deadline:
         for name, tokens in list(pending.items()):
-            if _read(mid_failover, name, tokens) == len(tokens):
+            started = time.monotonic()
+            whole = _read(mid_failover, name, tokens) == len(tokens)
+            attempts.append((started, name, whole))
+            if whole:
                 whole_at[name] = time.monotonic()
                 del pending[name]
         time.sleep(0.02)
     monitor.join(60)
     assert not pending and ok_at, f"never readable: {sorted(pending)}"
+    ready = _ready_at(mid_failover, ok_at[0])
     slowest = max(whole_at.values()) - ok_at[0]
-    print(f"\nstore opened mid-failover: all {SESSIONS} sessions whole {slowest:+.2f} s after cluster ok")
-    assert slowest <= READY_BOUND_S
+    print(
+        f"\nstore opened mid-failover: ready {ready - ok_at[0]:+.2f} s after cluster ok, "
+        f"all {SESSIONS} sessions whole {slowest:+.2f} s after"
+    )
+    assert ready - ok_at[0] <= READY_BOUND_S
+    assert not _missed_once_ready(attempts, ready), "a read missed after the store was ready"
 
     # a store opened now (a fresh process) reads every session whole from L4 on the first try,
     # whether its URL lists the dead node first or names one live node only

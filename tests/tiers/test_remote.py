@@ -83,6 +83,7 @@ def test_down_redis_fails_fast_and_a_probe_closes_the_breaker(tmp_path: Path) ->
         with pytest.raises(TierUnavailableError):
             tier.get(block.key)
     assert tier.breaker.open and tier.breaker.trips == 1
+    assert tier.breaker.closed_at is None  # it never closed again yet
     started = time.monotonic()
     for _ in range(100):
         with pytest.raises(TierUnavailableError, match="circuit open"):
@@ -93,7 +94,9 @@ def test_down_redis_fails_fast_and_a_probe_closes_the_breaker(tmp_path: Path) ->
         time.sleep(0.02)
     assert tier.breaker.open
     server.start()  # same port, empty (no persistence)
+    restarted = time.monotonic()
     _wait_closed(tier)  # closed by a probe, without any request paying for the trial
+    assert tier.breaker.closed_at is not None and tier.breaker.closed_at >= restarted
     assert tier.get(block.key) is None
     tier.put(block)
     assert tier.get(block.key) is not None

@@ -33,6 +33,8 @@ class CircuitBreaker:
         self.name = name
         self.failures = 0
         self.opened_at: float | None = None
+        self.closed_at: float | None = None
+        """When it last closed again after being open (``time.monotonic()``); None if it never did."""
         self.trips = 0
         self.refused = 0
         self.probes = 0
@@ -51,7 +53,8 @@ class CircuitBreaker:
     def success(self) -> None:
         with self._lock:
             self.failures = 0
-            self.opened_at = None
+            if self.opened_at is not None:
+                self.opened_at, self.closed_at = None, time.monotonic()
 
     def failure(self, *, trip: bool = False) -> None:
         """One more failed call; ``trip``: open now (the remote said itself that it is down)."""
@@ -82,7 +85,7 @@ class CircuitBreaker:
                 continue
             with self._lock:
                 self.failures = 0
-                self.opened_at = None
+                self.opened_at, self.closed_at = None, time.monotonic()
                 self._prober = None
             log.info("%s answers again; circuit closed", self.name)
             return
