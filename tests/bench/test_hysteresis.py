@@ -17,8 +17,10 @@ def test_rules_against_a_single_threshold() -> None:
     rules, single = (result.data["runs"][name] for name in (hysteresis.RULES, hysteresis.SINGLE))
     assert rules["reads"] > 0 and single["reads"] > 0
     # a single threshold promotes the block read and demotes another: two migrations a read
-    # (but for the first few reads, of blocks still in L1)
-    assert 2 * single["reads"] - 5 <= single["migrations"] <= 2 * single["reads"]
+    # (but for the first few reads, of blocks still in L1). One more demotion than promotions
+    # when the fill left L1 at exactly 85% (not above the watermark, so nothing was demoted) and
+    # the run ends at 84%: which of the two the fill ends at depends on the demoter's timing
+    assert 2 * single["reads"] - 5 <= single["migrations"] <= 2 * single["reads"] + 1
     assert rules["migrations_per_1000_reads"] < single["migrations_per_1000_reads"]
     # demotion runs from the high watermark down to the low one
     assert rules["fill_min"] >= 0.69 and rules["fill_max"] <= 0.86
