@@ -196,6 +196,27 @@ def test_gated_ranges_wait_for_their_buffer_and_a_cancel_ends_them(tmp_path: Pat
         _native_crc.preadv_ranges(np.full(4, -1, dtype=np.int64), offsets, first, iovs, done, short)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "streamed"])
+def test_copy_runs_copies_every_run_whatever_its_length_and_alignment(stream: bool) -> None:
+    _lib()
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dest = np.zeros(1 << 21, dtype=np.uint8)
+    lens = np.array([1, 63, 64, 65, 16384, 16384 + 5, 4096, 777], dtype=np.int64)
+    src_at = np.array([0, 100, 1000, 3000, 9000, 40000, 70001, 90000], dtype=np.int64)
+    # aligned and unaligned destinations, far apart (runs never overlap)
+    dest_at = np.array([0, 16, 1024, 4099, 65536, 200000, 300001, 400016], dtype=np.int64)
+    assert _native_crc.copy_runs(dest.ctypes.data + dest_at, src.ctypes.data + src_at, lens, stream=stream)
+    expected = np.zeros_like(dest)
+    for d, s, n in zip(dest_at.tolist(), src_at.tolist(), lens.tolist(), strict=True):
+        expected[d : d + n] = src[s : s + n]
+    assert np.array_equal(dest, expected)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        _native_crc.copy_runs(dest_at, src_at, lens[:3], stream=stream)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        _native_crc.copy_runs(dest_at.astype(np.int32), src_at, lens, stream=stream)
+
+
 def test_offsets_must_be_contiguous_int64() -> None:
     _lib()
     data = np.zeros(64, dtype=np.uint8)

@@ -176,13 +176,51 @@ def test_a_chain_in_memory_is_copied_by_several_threads_the_same(
     monkeypatch.setattr(restore_module, "COPY_THREADS", 3)
     monkeypatch.setattr(restore_module, "COPY_PART_BYTES", 1)  # any restore counts as large
     threads: set[str] = set()
-    copy_hit = restore_module.Restorer._copy_hit
+    copy_part = restore_module._RunCopies.copy
 
-    def spy(self: restore_module.Restorer, *args: object) -> None:
+    def spy(self: restore_module._RunCopies, part: list) -> list:
         threads.add(threading.current_thread().name)
-        copy_hit(self, *args)  # type: ignore[arg-type]
+        return copy_part(self, part)
 
-    monkeypatch.setattr(restore_module.Restorer, "_copy_hit", spy)
+    monkeypatch.setattr(restore_module._RunCopies, "copy", spy)
     got = _restore_matches_the_per_block_path(open_store, tmp_path)
     assert threading.current_thread().name in threads and len(threads) >= 2  # the pool took parts
     assert got["record"]["counters"]["L2"] == (PLACES.count("2"), 0, PLACES.count("2"), 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
+def test_blocks_in_memory_are_copied_as_runs_in_one_native_call(
+    open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """Every L1 slot and exact L2 payload of the chain (the 2-token tail too) is copied by the
+    native run copy, one run per K/V, layer and head, with or without non-temporal stores; the
+    blocks from L3 take their own path. Same bytes and accounting as block by block."""
+    from kvstrata.store import _native_crc
+    from kvstrata.store import restore as restore_module
+
+    if _native_crc.LIBRARY.load(timeout=120) is None:
+        pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
+    monkeypatch.setattr(restore_module, "STREAM_COPY_BYTES", 0 if stream else 1 << 62)
+    calls: list[tuple[int, int, bool]] = []
+
+    def spy(dest, src, lens, *, stream: bool) -> bool:  # type: ignore[no-untyped-def]
+        calls.append((len(dest), int(lens.sum()), stream))
+        return _native_crc.copy_runs(dest, src, lens, stream=stream)
+
+    monkeypatch.setattr(restore_module, "copy_runs", spy)
+    _restore_matches_the_per_block_path(open_store, tmp_path)
+    rows = 2 * LAYOUT.num_layers * LAYOUT.num_kv_heads
+    in_memory = [i for i, place in enumerate(PLACES) if place in "12"]
+    tokens = sum(min(BT, len(TOKENS) - i * BT) for i in in_memory)
+    assert sum(n for n, _, _ in calls) == len(in_memory) * rows
+    assert sum(b for _, b, _ in calls) == tokens * LAYOUT.bytes_per_token
+    assert {s for _, _, s in calls} == {stream}
+
+
+def test_without_the_native_library_blocks_in_memory_are_copied_by_numpy(
+    open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstrata.store import restore as restore_module
+
+    monkeypatch.setattr(restore_module, "copy_runs", lambda *args, **kwargs: False)  # not built (yet)
+    _restore_matches_the_per_block_path(open_store, tmp_path)

@@ -39,6 +39,14 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.kvs_preadv_ranges_join.argtypes = [ctypes.c_void_p]
     lib.kvs_resident_pages.restype = ctypes.c_int64
     lib.kvs_resident_pages.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    lib.kvs_copy_runs.restype = ctypes.c_int64
+    lib.kvs_copy_runs.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
     return None
 
 
@@ -193,3 +201,20 @@ def resident_pages(fd: int, offset: int, length: int) -> int | None:
         return None
     pages = int(lib.kvs_resident_pages(fd, offset, length))
     return pages if pages >= 0 else None
+
+
+def copy_runs(dest: np.ndarray, src: np.ndarray, lens: np.ndarray, *, stream: bool) -> bool:
+    """Copy ``lens[k]`` bytes from address ``src[k]`` to ``dest[k]`` for every k, in one native
+    call (the GIL released); ``stream``: with non-temporal stores (for copies far larger than the
+    caches). False when the library is not loaded (yet): the caller copies another way. The caller
+    guarantees both sides are live memory that does not overlap (three int64 arrays, one entry a
+    run)."""
+    lib = LIBRARY.loaded()
+    if lib is None:
+        LIBRARY.start()
+        return False
+    arrays = (dest, src, lens)
+    if any(a.dtype != np.int64 or not a.flags.c_contiguous or len(a) != len(dest) for a in arrays):
+        raise ValueError("dest, src and lens must be contiguous int64 arrays of one length")
+    lib.kvs_copy_runs(dest.ctypes.data, src.ctypes.data, lens.ctypes.data, len(dest), int(stream))
+    return True

@@ -19,11 +19,15 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <time.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -309,4 +313,44 @@ int64_t kvs_resident_pages(int fd, int64_t offset, int64_t length) {
     }
     munmap(map, (size_t)span);
     return resident;
+}
+
+/* Copies of runs: run k is lens[k] bytes from src[k] to dest[k] (the K/V, layer and head rows of
+ * blocks held in memory, into their slices of a restore buffer; 16 KiB each for SmolLM2).
+ *
+ * `stream`: with non-temporal stores (SSE2; each run whose destination is 16-byte aligned), so
+ * that a destination larger than the caches is written without first being read into them. numpy's
+ * copy of the same runs writes through the caches: 134 MB of 16 KiB runs took 15.6 ms against
+ * 7.5 ms streamed, and a contiguous memcpy of the same bytes 9.6-11.4 ms (AMD EPYC VM,
+ * 2026-12-02). The caller streams only copies much larger than the caches (a small restore is
+ * read by the forward pass while it is still cached). Returns the bytes copied. */
+int64_t kvs_copy_runs(const int64_t *dest, const int64_t *src, const int64_t *lens, int64_t count,
+                      int stream) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < count; k++) {
+        char *d = (char *)(intptr_t)dest[k];
+        const char *s = (const char *)(intptr_t)src[k];
+        int64_t len = lens[k], done = 0;
+#if defined(__SSE2__)
+        if (stream && ((uintptr_t)d & 15) == 0) {
+            __m128i *dv = (__m128i *)d;
+            const __m128i *sv = (const __m128i *)s;
+            for (int64_t i = 0; i < len / 64; i++) {
+                __m128i a = _mm_loadu_si128(sv + 4 * i), b = _mm_loadu_si128(sv + 4 * i + 1);
+                __m128i c = _mm_loadu_si128(sv + 4 * i + 2), e = _mm_loadu_si128(sv + 4 * i + 3);
+                _mm_stream_si128(dv + 4 * i, a);
+                _mm_stream_si128(dv + 4 * i + 1, b);
+                _mm_stream_si128(dv + 4 * i + 2, c);
+                _mm_stream_si128(dv + 4 * i + 3, e);
+            }
+            done = len - len % 64;
+        }
+#endif
+        if (done < len) memcpy(d + done, s + done, (size_t)(len - done));
+        total += len;
+    }
+#if defined(__SSE2__)
+    if (stream) _mm_sfence(); /* the streamed stores are visible before the caller reads them */
+#endif
+    return total;
 }
