@@ -279,10 +279,12 @@ class Restorer:
         self, hits: list[tuple[int, KVBlock, TierLevel]], buffer: torch.Tensor, copier: DeviceCopier
     ) -> None:
         """Decode each hit ``(i, block, _)`` into block ``i``'s slice of ``buffer``. Into host
-        memory without staging, through numpy views (a torch slice costs microseconds, a numpy
-        one a tenth of that): an L1 block is one copy, an exact L2 block one copy of its bytes.
-        A large restore is shared between this thread and the pool (numpy copies release the
-        GIL): one thread copies at about 7 GB/s here, where memory takes about twice that."""
+        memory without staging: an L1 block is one copy, an exact L2 block one copy of its bytes,
+        both as runs in one native call a thread (:class:`_RunCopies`); other blocks (and all of
+        them while the native helpers are not built) through numpy views (a torch slice costs
+        microseconds, a numpy one a tenth of that). A large restore is shared between this
+        thread and the pool (both copies release the GIL): one thread copies at about 7 GB/s
+        here, where memory takes about twice that."""
         bt = self.layout.block_tokens
         if buffer.device.type != "cpu" or copier.staged:
             for i, block, _ in hits:
