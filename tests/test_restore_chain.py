@@ -172,17 +172,18 @@ def test_a_chain_in_memory_is_copied_by_several_threads_the_same(
     """A large restore from memory is shared between the caller and the pool (one thread copies
     at about half the memory's bandwidth): the same bytes, the same accounting."""
     from kvstrata.store import restore as restore_module
+    from kvstrata.store import run_copies
 
     monkeypatch.setattr(restore_module, "COPY_THREADS", 3)
     monkeypatch.setattr(restore_module, "COPY_PART_BYTES", 1)  # any restore counts as large
     threads: set[str] = set()
-    copy_part = restore_module._RunCopies.copy
+    copy_part = run_copies.RunCopies.copy
 
-    def spy(self: restore_module._RunCopies, part: list) -> list:
+    def spy(self: run_copies.RunCopies, part: list) -> list:
         threads.add(threading.current_thread().name)
         return copy_part(self, part)
 
-    monkeypatch.setattr(restore_module._RunCopies, "copy", spy)
+    monkeypatch.setattr(run_copies.RunCopies, "copy", spy)
     got = _restore_matches_the_per_block_path(open_store, tmp_path)
     assert threading.current_thread().name in threads and len(threads) >= 2  # the pool took parts
     assert got["record"]["counters"]["L2"] == (PLACES.count("2"), 0, PLACES.count("2"), 0)
@@ -195,7 +196,7 @@ def test_blocks_in_memory_are_copied_as_runs_in_one_native_call(
     """Every L1 slot and exact L2 payload of the chain (the 2-token tail too) is copied by the
     native run copy, one run per K/V, layer and head, with or without non-temporal stores; the
     blocks from L3 take their own path. Same bytes and accounting as block by block."""
-    from kvstrata.store import _native_crc
+    from kvstrata.store import _native_crc, run_copies
     from kvstrata.store import restore as restore_module
 
     if _native_crc.LIBRARY.load(timeout=120) is None:
@@ -207,7 +208,7 @@ def test_blocks_in_memory_are_copied_as_runs_in_one_native_call(
         calls.append((len(dest), int(lens.sum()), stream))
         return _native_crc.copy_runs(dest, src, lens, stream=stream)
 
-    monkeypatch.setattr(restore_module, "copy_runs", spy)
+    monkeypatch.setattr(run_copies, "copy_runs", spy)
     _restore_matches_the_per_block_path(open_store, tmp_path)
     rows = 2 * LAYOUT.num_layers * LAYOUT.num_kv_heads
     in_memory = [i for i, place in enumerate(PLACES) if place in "12"]
@@ -220,7 +221,7 @@ def test_blocks_in_memory_are_copied_as_runs_in_one_native_call(
 def test_without_the_native_library_blocks_in_memory_are_copied_by_numpy(
     open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstrata.store import restore as restore_module
+    from kvstrata.store import run_copies
 
-    monkeypatch.setattr(restore_module, "copy_runs", lambda *args, **kwargs: False)  # not built (yet)
+    monkeypatch.setattr(run_copies, "copy_runs", lambda *args, **kwargs: False)  # not built (yet)
     _restore_matches_the_per_block_path(open_store, tmp_path)

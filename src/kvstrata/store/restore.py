@@ -40,10 +40,10 @@ from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.runtime import single_threaded_torch
-from kvstrata.store._native_crc import copy_runs
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS
 from kvstrata.store.restore_stream import RETRY, SegmentStream
+from kvstrata.store.run_copies import RunCopies
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.transfer import DeviceCopier, copy_tensor, host_array
 
@@ -280,11 +280,11 @@ class Restorer:
     ) -> None:
         """Decode each hit ``(i, block, _)`` into block ``i``'s slice of ``buffer``. Into host
         memory without staging: an L1 block is one copy, an exact L2 block one copy of its bytes,
-        both as runs in one native call a thread (:class:`_RunCopies`); other blocks (and all of
-        them while the native helpers are not built) through numpy views (a torch slice costs
-        microseconds, a numpy one a tenth of that). A large restore is shared between this
-        thread and the pool (both copies release the GIL): one thread copies at about 7 GB/s
-        here, where memory takes about twice that."""
+        both as runs in one native call a thread (:class:`~kvstrata.store.run_copies.RunCopies`);
+        other blocks (and all of them while the native helpers are not built) through numpy
+        views (a torch slice costs microseconds, a numpy one a tenth of that). A large restore is
+        shared between this thread and the pool (both copies release the GIL): one thread copies
+        at about 7 GB/s here, where memory takes about twice that."""
         bt = self.layout.block_tokens
         if buffer.device.type != "cpu" or copier.staged:
             for i, block, _ in hits:
@@ -294,7 +294,7 @@ class Restorer:
         per_token = self.layout.bytes_per_token
         inference = torch.is_inference_mode_enabled()
         total = sum(block.num_tokens for _, block, _ in hits) * per_token
-        runs = _RunCopies(buffer, bt, stream=total >= STREAM_COPY_BYTES)
+        runs = RunCopies(buffer, bt, stream=total >= STREAM_COPY_BYTES)
 
         def copy(part: Sequence[tuple[int, KVBlock, TierLevel]]) -> None:
             with torch.inference_mode(inference):
@@ -463,85 +463,3 @@ def _encoded(block: KVBlock) -> EncodedBlock:
 def _owned(encoded: EncodedBlock | None) -> bool:
     """Whether the payload is its own bytes (not a view of a buffer that will be reused)."""
     return encoded is not None and isinstance(encoded.payload, bytes | bytearray)
-
-
-class _RunCopies:
-    """The copies of blocks held in memory into their slices of a host restore buffer as runs
-    (one per K/V, layer and head), all of a part in one native call (:func:`copy_runs`, the GIL
-    released): an L1 slot (a view of the pool) or an exact L2 payload (a view of the arena) is
-    copied byte for byte. numpy's copy of the same runs took 15.6 ms for 134 MB where the native
-    one, streamed, took 7.5 (AMD EPYC VM, 2026-12-02)."""
-
-    def __init__(self, buffer: torch.Tensor, block_tokens: int, *, stream: bool) -> None:
-        self.buffer, self.block_tokens, self.stream = buffer, block_tokens, stream
-        self.element = buffer.element_size()
-        self.dtype = buffer.dtype
-        self.rows_shape = tuple(buffer.shape[:3])
-        strides = buffer.stride()
-        # rows of tokens contiguous in the destination: what a run needs
-        self.usable = len(strides) == 5 and strides[4] == 1 and strides[3] == buffer.shape[4]
-        grid = np.indices(tuple(buffer.shape[:3]), dtype=np.int64).reshape(3, -1).T  # (K/V, layer, head)
-        self.grid = grid
-        self.dest_rows = grid @ np.asarray(strides[:3], dtype=np.int64) * self.element
-        self._src_rows: dict[tuple[int, ...], np.ndarray] = {}
-
-    def copy(self, part: Sequence[tuple[int, KVBlock, TierLevel]]) -> list[tuple[int, KVBlock, TierLevel]]:
-        """Copy the blocks of ``part`` it can; the others are returned, for the caller to copy."""
-        if not self.usable:
-            return list(part)
-        rest: list[tuple[int, KVBlock, TierLevel]] = []
-        groups: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # (strides, tokens) -> blocks
-        keep: list[np.ndarray] = []  # the payloads' arrays live until the copy is done
-        dim = self.buffer.shape[4]
-        for hit in part:
-            i, block, _ = hit
-            source = self._source(block, dim, keep)
-            if source is None:
-                rest.append(hit)
-                continue
-            address, strides = source
-            sources, starts = groups.setdefault((*strides, block.num_tokens), ([], []))
-            sources.append(address)
-            starts.append(i * self.block_tokens)
-        if not groups:
-            return rest
-        dests, srcs, lens = [], [], []
-        token_bytes = self.buffer.stride()[3] * self.element
-        for key, (sources, starts) in groups.items():
-            rows = self._src_rows.get(key[:3])
-            if rows is None:
-                rows = self.grid @ np.asarray(key[:3], dtype=np.int64) * self.element
-                self._src_rows[key[:3]] = rows
-            base = self.buffer.data_ptr() + np.asarray(starts, dtype=np.int64) * token_bytes
-            dests.append(np.add.outer(base, self.dest_rows).reshape(-1))
-            srcs.append(np.add.outer(np.asarray(sources, dtype=np.int64), rows).reshape(-1))
-            lens.append(np.full(len(sources) * len(rows), key[3] * token_bytes, dtype=np.int64))
-        copied = copy_runs(
-            np.concatenate(dests), np.concatenate(srcs), np.concatenate(lens), stream=self.stream
-        )
-        del keep
-        if not copied:  # the native library is not built (yet)
-            return list(part)
-        return rest
-
-    def _source(self, block: KVBlock, dim: int, keep: list[np.ndarray]) -> tuple[int, tuple[int, ...]] | None:
-        """Where block's rows start and their strides (K/V, layer, head; in elements), if its bytes
-        can be copied as they are: a CPU tensor of the buffer's dtype with rows of contiguous
-        tokens, or an identity payload of exactly the block's bytes."""
-        tensor, encoded, n = block.tensor, block.encoded, block.num_tokens
-        if tensor is not None:
-            # a few attribute reads a block (each costs a call into torch): 512 blocks a restore
-            if not tensor.is_cpu or tensor.dtype != self.dtype or tensor.shape != (*self.rows_shape, n, dim):
-                return None
-            strides = tensor.stride()
-            if strides[4] != 1 or (n > 1 and strides[3] != dim):
-                return None
-            return tensor.data_ptr(), strides[:3]
-        if encoded is None or encoded.codec != CodecId.IDENTITY:
-            return None
-        two, layers, heads = self.buffer.shape[:3]
-        if len(encoded.payload) != two * layers * heads * n * dim * self.element:
-            return None  # the slow path raises the error
-        payload = np.frombuffer(encoded.payload, dtype=np.uint8)
-        keep.append(payload)
-        return payload.ctypes.data, (layers * heads * n * dim, heads * n * dim, n * dim)
