@@ -31,12 +31,13 @@ class RunCopies:
         self.element = buffer.element_size()
         self.dtype = buffer.dtype
         self.rows_shape = tuple(buffer.shape[:3])
+        self.dim = buffer.shape[4]
         strides = buffer.stride()
         # rows of tokens contiguous in the destination: what a run needs
-        self.usable = len(strides) == 5 and strides[4] == 1 and strides[3] == buffer.shape[4]
-        grid = np.indices(tuple(buffer.shape[:3]), dtype=np.int64).reshape(3, -1).T  # (K/V, layer, head)
-        self.grid = grid
-        self.dest_rows = grid @ np.asarray(strides[:3], dtype=np.int64) * self.element
+        self.usable = len(strides) == 5 and strides[4] == 1 and strides[3] == self.dim
+        self.token_bytes = strides[3] * self.element
+        self.grid = np.indices(self.rows_shape, dtype=np.int64).reshape(3, -1).T  # (K/V, layer, head)
+        self.dest_rows = self.grid @ np.asarray(strides[:3], dtype=np.int64) * self.element
         self._src_rows: dict[tuple[int, ...], np.ndarray] = {}
 
     def copy(self, part: Sequence[tuple[int, KVBlock, TierLevel]]) -> list[tuple[int, KVBlock, TierLevel]]:
@@ -45,11 +46,10 @@ class RunCopies:
             return list(part)
         rest: list[tuple[int, KVBlock, TierLevel]] = []
         groups: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # (strides, tokens) -> blocks
-        keep: list[np.ndarray] = []  # the payloads' arrays live until the copy is done
-        dim = self.buffer.shape[4]
+        keep: list[np.ndarray] = []  # the payloads' arrays, alive until the copy is done
         for hit in part:
             i, block, _ = hit
-            source = self._source(block, dim, keep)
+            source = self._source(block, keep)
             if source is None:
                 rest.append(hit)
                 continue
@@ -60,29 +60,27 @@ class RunCopies:
         if not groups:
             return rest
         dests, srcs, lens = [], [], []
-        token_bytes = self.buffer.stride()[3] * self.element
         for key, (sources, starts) in groups.items():
             rows = self._src_rows.get(key[:3])
             if rows is None:
                 rows = self.grid @ np.asarray(key[:3], dtype=np.int64) * self.element
                 self._src_rows[key[:3]] = rows
-            base = self.buffer.data_ptr() + np.asarray(starts, dtype=np.int64) * token_bytes
+            base = self.buffer.data_ptr() + np.asarray(starts, dtype=np.int64) * self.token_bytes
             dests.append(np.add.outer(base, self.dest_rows).reshape(-1))
             srcs.append(np.add.outer(np.asarray(sources, dtype=np.int64), rows).reshape(-1))
-            lens.append(np.full(len(sources) * len(rows), key[3] * token_bytes, dtype=np.int64))
+            lens.append(np.full(len(sources) * len(rows), key[3] * self.token_bytes, dtype=np.int64))
         copied = copy_runs(
             np.concatenate(dests), np.concatenate(srcs), np.concatenate(lens), stream=self.stream
         )
-        del keep
         if not copied:  # the native library is not built (yet)
             return list(part)
         return rest
 
-    def _source(self, block: KVBlock, dim: int, keep: list[np.ndarray]) -> tuple[int, tuple[int, ...]] | None:
+    def _source(self, block: KVBlock, keep: list[np.ndarray]) -> tuple[int, tuple[int, ...]] | None:
         """Where block's rows start and their strides (K/V, layer, head; in elements), if its bytes
         can be copied as they are: a CPU tensor of the buffer's dtype with rows of contiguous
         tokens, or an identity payload of exactly the block's bytes."""
-        tensor, encoded, n = block.tensor, block.encoded, block.num_tokens
+        tensor, encoded, n, dim = block.tensor, block.encoded, block.num_tokens, self.dim
         if tensor is not None:
             # a few attribute reads a block (each costs a call into torch): 512 blocks a restore
             if not tensor.is_cpu or tensor.dtype != self.dtype or tensor.shape != (*self.rows_shape, n, dim):
