@@ -98,3 +98,32 @@ def test_buffers_serve_callers_in_and_out_of_inference_mode() -> None:
     second = pool.copy(torch.ones(2, 8))  # outside inference mode, into the same buffer
     assert second.data_ptr() == where and torch.equal(second, torch.ones(2, 8))
     second.add_(1)  # a normal tensor: the caller may update it
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_a_group_of_blocks_is_copied_in_one_call(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """``copy_many``: the blocks of a KV (strided views), each into its own contiguous buffer,
+    every copy into a recycled buffer by one native call (the GIL let go once for the group);
+    the same bytes by numpy where the helpers are not built. A block of another layout (its rows
+    not contiguous) and one past the budget are copied on their own."""
+    from kvstrata.store import _native_crc
+
+    if native and _native_crc.LIBRARY.load(timeout=120) is None:
+        pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")
+    calls: list[int] = []
+    real = staging.copy_runs
+
+    def counted(dest, src, lens, *, stream):  # type: ignore[no-untyped-def]
+        calls.append(len(lens))
+        return real(dest, src, lens, stream=stream) if native else False
+
+    monkeypatch.setattr(staging, "copy_runs", counted)
+    kv = torch.randn(2, 3, 2, 40, 8)
+    blocks = [kv[:, :, :, i * 8 : (i + 1) * 8] for i in range(5)]
+    odd = kv.transpose(3, 4)[:, :, :, :, :8]  # rows not contiguous: copied on its own
+    pool = StagingBuffers(5 * blocks[0].numel() * 4)  # room for the odd one and four of the blocks
+    copies = pool.copy_many([odd, *blocks])
+    assert calls == [4 * 2 * 3 * 2]  # one call: every row (K/V, layer, head) of the four pooled blocks
+    assert pool.held_bytes == 5 * blocks[0].numel() * 4  # the fifth block went to fresh memory
+    for copy, src in zip(copies, [odd, *blocks], strict=True):
+        assert copy.is_contiguous() and torch.equal(copy, src) and copy.data_ptr() != src.data_ptr()
