@@ -174,8 +174,11 @@ def test_small_records_are_written_in_groups_and_read_back(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Records under ``WRITE_GROUP_BYTES`` that the writer takes together go to the segment with
-    one ``writev`` per group, back to back, each still its own checked record."""
-    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0, write_policy="write-back")
+    one ``writev`` per group, back to back, each still its own checked record (writes through the
+    page cache; tests/test_direct_writes.py has those past it)."""
+    store = open_store(
+        l1_budget_bytes=0, l2_budget_bytes=0, write_policy="write-back", l3_direct_writes=False
+    )
     calls: list[int] = []
     writev = os.writev
 

@@ -302,23 +302,29 @@ def test_a_write_that_ends_an_outage_ends_it_before_the_flush_waiting_for_it_ret
         writer.close()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-writes", "page-cache-writes"])
 def test_disk_full_is_reported_once_and_writing_resumes(
-    open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, direct: bool
 ) -> None:
-    """Acceptance 7: ENOSPC by fault injection; consistent store, served from memory, then resume."""
-    store = open_store(l1_budget_bytes=16 * BLOCK)
+    """Acceptance 7: ENOSPC by fault injection; consistent store, served from memory, then resume.
+    Segments are written past the page cache (``pwrite`` from staging buffers) or through it
+    (``writev``): the disk fills under either."""
+    store = open_store(l1_budget_bytes=16 * BLOCK, l3_direct_writes=direct)
     session = store.create_session("s")
     store.append(session, list(range(8)), token_kv(LAYOUT, list(range(8))))
     store.checkpoint(session)
-    real_writev = os.writev
+    name = "pwrite" if direct else "writev"
+    real = getattr(os, name)
     disk_full = True
+    refused: list[int] = []
 
-    def failing_writev(fd: int, buffers: list[memoryview]) -> int:
+    def failing(fd: int, *args: object) -> int:
         if disk_full:
+            refused.append(fd)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_writev(fd, buffers)
+        return real(fd, *args)
 
-    monkeypatch.setattr(os, "writev", failing_writev)
+    monkeypatch.setattr(os, name, failing)
     tokens = list(range(8, 20))
     with caplog.at_level("ERROR"):
         store.append(session, tokens, token_kv(LAYOUT, tokens, 8))
@@ -326,6 +332,7 @@ def test_disk_full_is_reported_once_and_writing_resumes(
             store.checkpoint(session)
         with pytest.raises(TierUnavailableError):
             store.checkpoint(session)
+    assert refused  # the path under test wrote (and failed)
     assert sum("background write failed" in r.message for r in caplog.records) == 1  # reported once
     assert store.tiered.failing()
     assert not list((store.root / "tmp").iterdir())  # no half-written files left behind

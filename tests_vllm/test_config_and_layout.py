@@ -35,6 +35,7 @@ def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
             "l2_budget_bytes": 1 << 30,
             "l3_budget_bytes": "10GiB",
             "l3_direct_reads": False,
+            "l3_direct_writes": False,
             "write_policy": "write-back",
             "priority": "interactive",
             "namespace": "team-a",
@@ -49,6 +50,7 @@ def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
     assert cfg.store.l1_budget_bytes == 64 << 20
     assert cfg.store.l3_budget_bytes == 10 << 30
     assert cfg.store.l3_direct_reads is False and StoreConfig().l3_direct_reads is True
+    assert cfg.store.l3_direct_writes is False and StoreConfig().l3_direct_writes is True
     assert cfg.store.write_policy.value == "write-back"
     assert cfg.priority is Priority.INTERACTIVE
     assert cfg.namespace == "team-a"

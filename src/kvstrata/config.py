@@ -136,6 +136,11 @@ class StoreConfig:
     """Restores read L3 segments that are not in the page cache with ``O_DIRECT``, straight from
     the disk into their buffers (the kernel neither copies them nor keeps a second copy in memory);
     False: always through the page cache."""
+    l3_direct_writes: bool = True
+    """Checkpoints write their L3 segments with ``O_DIRECT`` from a few staging buffers the store
+    keeps, straight to the disk (written once and read rarely soon, a segment's pages would only
+    be allocated, filled and dropped); False: through the page cache. A file system that refuses
+    direct writes is written through the page cache, with a warning."""
     min_dwell_s: float = 2.0
     """A demoted block is not promoted again by reads of agents that are not running (hints,
     prefetch) before this long; a scheduled agent's reads always promote."""
@@ -156,7 +161,7 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be >= 0")
         if self.l3_budget_bytes is not None and self.l3_budget_bytes <= 0:
             raise ConfigError("l3_budget_bytes must be positive or None (unlimited)")
-        for name in ("pin_host_memory", "promote_on_read", "l3_direct_reads"):
+        for name in ("pin_host_memory", "promote_on_read", "l3_direct_reads", "l3_direct_writes"):
             if not isinstance(getattr(self, name), bool):  # "no" would be taken for yes
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:

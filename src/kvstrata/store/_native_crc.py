@@ -47,6 +47,10 @@ def _setup(lib: ctypes.CDLL) -> str | None:
         ctypes.c_int64,
         ctypes.c_int,
     ]
+    lib.kvs_copy_crc32c_runs.restype = ctypes.c_uint32
+    lib.kvs_copy_crc32c_runs.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int
+    ]  # fmt: skip
     return None
 
 
@@ -218,3 +222,22 @@ def copy_runs(dest: np.ndarray, src: np.ndarray, lens: np.ndarray, *, stream: bo
         raise ValueError("dest, src and lens must be contiguous int64 arrays of one length")
     lib.kvs_copy_runs(dest.ctypes.data, src.ctypes.data, lens.ctypes.data, len(dest), int(stream))
     return True
+
+
+def copy_crc32c_runs(
+    dest: np.ndarray, src: np.ndarray, lens: np.ndarray, crc: int, *, stream: bool
+) -> int | None:
+    """:func:`copy_runs` that also returns the CRC32C of the bytes copied (in order, continuing
+    ``crc``), reading each source byte once; None when the library is not loaded (yet)."""
+    lib = LIBRARY.loaded()
+    if lib is None:
+        LIBRARY.start()
+        return None
+    arrays = (dest, src, lens)
+    if any(a.dtype != np.int64 or not a.flags.c_contiguous or len(a) != len(dest) for a in arrays):
+        raise ValueError("dest, src and lens must be contiguous int64 arrays of one length")
+    return int(
+        lib.kvs_copy_crc32c_runs(
+            dest.ctypes.data, src.ctypes.data, lens.ctypes.data, len(dest), crc, int(stream)
+        )
+    )

@@ -92,9 +92,11 @@ def record_parts(
     created_ns: int | None = None,
     keyring: Keyring | None = None,
     namespace: str | None = None,
+    checksum: bool = True,
 ) -> list[bytes | memoryview]:
     """The record as its four parts (header, params, payload, trailer), the payload not copied:
-    what ``os.writev`` writes to a file in one call."""
+    what ``os.writev`` writes to a file in one call. ``checksum=False``: the first three only,
+    for a writer that computes the trailer (:func:`record_trailer`) as it copies them."""
     params, payload, flags = block.params, block.payload, 0
     if keyring is not None:
         if namespace is None:
@@ -122,10 +124,17 @@ def record_parts(
         len(payload),
         time.time_ns() if created_ns is None else created_ns,
     )
+    if not checksum:
+        return [header, params, payload]
     crc = crc32c.crc32c(header)
     crc = crc32c.crc32c(params, crc)
     crc = crc32c_of(payload, crc)
-    return [header, params, payload, _TRAILER.pack(crc)]
+    return [header, params, payload, record_trailer(crc)]
+
+
+def record_trailer(crc: int) -> bytes:
+    """A record's trailer: the CRC32C of its header, params and payload."""
+    return _TRAILER.pack(crc)
 
 
 def parse_header(data: bytes | memoryview, path: Path | str | None = None) -> RecordHeader:

@@ -82,6 +82,7 @@ def build_tiers(
         writer_token=processes.token if processes is not None else "",
         writer_nonce=processes.nonce if processes is not None else "00000000",
         alive=processes.alive if processes is not None else None,
+        direct_writes=config.l3_direct_writes,
     )
     remote = (
         RedisTier(config.remote, layout, keyring) if config.remote is not None and not read_only else None

@@ -196,6 +196,9 @@ class ConnectorConfig:
             remote=remote,
             namespace_quotas=_quotas(data.get("namespace_quotas")),
             l3_direct_reads=_bool(data.get("l3_direct_reads", defaults.l3_direct_reads), "l3_direct_reads"),
+            l3_direct_writes=_bool(
+                data.get("l3_direct_writes", defaults.l3_direct_writes), "l3_direct_writes"
+            ),
         )
 
         namespace = str(data.get("namespace", DEFAULT_NAMESPACE))
@@ -235,6 +238,7 @@ _KEYS = (
     "l2_budget_bytes",
     "l3_budget_bytes",
     "l3_direct_reads",
+    "l3_direct_writes",
     "device",
     "write_policy",
     "eviction",

@@ -50,6 +50,7 @@ from kvstrata.store.index import BlockRow, Index
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, RecordHeader, decode_record, record_parts
 from kvstrata.store.tiers.base import TierLevel, TierUsage
+from kvstrata.store.tiers.direct_writes import DIRECT, DirectWrites
 from kvstrata.store.tiers.disk_batch import DiskBatch, NoRoom, Pending
 from kvstrata.store.tiers.disk_files import (
     SEGMENTS_DIR,
@@ -89,10 +90,12 @@ class DiskTier:
         writer_token: str = "",
         writer_nonce: str = "00000000",
         alive: Callable[[str], bool] | None = None,
+        direct_writes: bool = True,
     ) -> None:
         """``writer_token`` names this process's temp files and ``writer_nonce`` starts the ids of
         the block files it writes; ``alive(token)`` says whether the process that wrote a temp
-        file still runs (its temp files are then left alone)."""
+        file still runs (its temp files are then left alone). ``direct_writes``: group commits
+        write their segments past the page cache (:mod:`.direct_writes`) where the platform can."""
         self.keyring = keyring
         self.root = root
         self.layout = layout
@@ -110,6 +113,10 @@ class DiskTier:
         self.corrupt_count = 0
         # key -> (cold, nbytes, codec, num_tokens) of the rows this process saw (the index decides)
         self._cache: dict[BlockKey, Placement] = {}
+        self.direct_writes = (
+            DirectWrites() if direct_writes and DIRECT is not None and not read_only else None
+        )
+        """Staging buffers and I/O threads of direct writes (None: through the page cache)."""
         self.evictor: Evictor | None = None
         """Set by the placement: makes room (evicting) when a write would pass the budget or a
         namespace's quota. Without one, such a write is refused."""
@@ -274,8 +281,11 @@ class DiskTier:
         self._cache[key] = placement
         self.lost.discard(key)
 
-    def prepare(self, index: int, block: KVBlock, previous: Placement | None) -> Pending:
-        """``block``'s record, ready to append (``previous``: where the key is stored now)."""
+    def prepare(
+        self, index: int, block: KVBlock, previous: Placement | None, *, checksum: bool = True
+    ) -> Pending:
+        """``block``'s record, ready to append (``previous``: where the key is stored now);
+        ``checksum=False``: without its trailer, which a direct write computes as it copies."""
         encoded = block.encode()
         parts = record_parts(
             block.key,
@@ -284,11 +294,12 @@ class DiskTier:
             start_pos=block.start_pos,
             keyring=self.keyring,
             namespace=block.namespace,
+            checksum=checksum,
         )
         cold = previous is not None and previous.cold
-        nbytes = sum(memoryview(p).nbytes for p in parts)
+        nbytes = sum(memoryview(p).nbytes for p in parts) + (0 if checksum else TRAILER_BYTES)
         growth = nbytes - (previous.nbytes if previous is not None else 0)
-        return Pending(index, block, parts, cold, nbytes, growth, int(encoded.codec))
+        return Pending(index, block, parts, cold, nbytes, growth, int(encoded.codec), sealed=checksum)
 
     def refused(self, writes: Sequence[Pending], pending: dict[str, int] | None = None) -> set[str]:
         """The namespaces whose blocks in this batch do not fit (budget or quota), after the
@@ -469,4 +480,6 @@ class DiskTier:
         return files, total, sum(self.index.blocks.segment_live_bytes().values())
 
     def close(self) -> None:
+        if self.direct_writes is not None:
+            self.direct_writes.close()
         self.index.blocks.flush_access()

@@ -14,6 +14,7 @@ memory), and a crash leaves a temp file that the next process removes.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 import uuid
@@ -23,13 +24,18 @@ from typing import TYPE_CHECKING
 
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
+from kvstrata.store._native_crc import crc32c_of
 from kvstrata.store.block import KVBlock
 from kvstrata.store.index import BlockRow
 from kvstrata.store.index.block_rows import Placement
+from kvstrata.store.kvbin import record_trailer
+from kvstrata.store.tiers.direct_writes import DirectFile, DirectWriteRefused
 from kvstrata.store.tiers.disk_files import drop_page_cache, fsync_dir, start_writeback, writev_all
 
 if TYPE_CHECKING:
     from kvstrata.store.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
 WRITE_GROUP_BYTES = 1 << 20
@@ -57,8 +63,19 @@ class Pending:
     nbytes: int
     growth: int
     codec: int
+    sealed: bool = True
+    """Whether ``parts`` ends with the trailer (a direct write computes it as it copies)."""
     offset: int = 0
     error: OSError | None = None
+
+    def seal(self) -> None:
+        """Add the trailer now (a direct write refused: the record goes through the page cache)."""
+        if not self.sealed:
+            crc = 0
+            for part in self.parts:
+                crc = crc32c_of(part, crc)
+            self.parts = [*self.parts, record_trailer(crc)]
+            self.sealed = True
 
 
 class DiskBatch:
@@ -70,6 +87,9 @@ class DiskBatch:
         self.results: list[Exception | None] = []
         self._pending: list[Pending] = []
         self._fd: int | None = None
+        self._direct: DirectFile | None = None
+        """The batch's file when it is written past the page cache (``_fd`` is then its fd)."""
+        self._direct_wanted = disk.direct_writes is not None and not disk.direct_writes.refused
         self._size = 0
         self._written_back = 0
         """Bytes from the start of the file whose writeback has been started."""
@@ -86,7 +106,7 @@ class DiskBatch:
         replace = replace or set()
         stored = disk.placements([block.key for block in blocks])  # one index query for the batch
         writes = [
-            disk.prepare(base + i, block, previous)
+            disk.prepare(base + i, block, previous, checksum=not self._direct_wanted)
             for i, block in enumerate(blocks)
             if (previous := stored.get(block.key)) is None or block.key in replace
         ]
@@ -119,8 +139,13 @@ class DiskBatch:
             return
         try:
             if self._fd is None:
-                self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            writev_all(self._fd, [part for w in writes for part in w.parts])
+                self._open()
+            if self._direct is not None:
+                self._write_direct(writes)
+            else:
+                for w in writes:
+                    w.seal()
+                writev_all(self._fd, [part for w in writes for part in w.parts])  # type: ignore[arg-type]
         except OSError as exc:  # these and the rest of the batch fail; what was written before stays
             self._error = exc
             for w in writes:
@@ -129,9 +154,51 @@ class DiskBatch:
         for w in writes:
             w.offset = self._size
             self._size += w.nbytes
-        if self._size - self._written_back >= WRITEBACK_BYTES:
-            start_writeback(self._fd, self._written_back, self._size - self._written_back)
+        if self._direct is None and self._size - self._written_back >= WRITEBACK_BYTES:
+            start_writeback(self._fd, self._written_back, self._size - self._written_back)  # type: ignore[arg-type]
             self._written_back = self._size
+
+    def _open(self) -> None:
+        """Create the batch's temp file: past the page cache where the tier writes so."""
+        direct = self.disk.direct_writes
+        if self._direct_wanted and direct is not None and not direct.refused:
+            try:
+                self._direct = direct.open(self.tmp)
+                self._fd = self._direct.fd
+                return
+            except DirectWriteRefused:
+                self._refused()
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def _write_direct(self, writes: list[Pending]) -> None:
+        assert self._direct is not None
+        try:
+            trailers = self._direct.write_records([w.parts for w in writes])
+        except DirectWriteRefused:
+            self._rewrite_buffered(self._pending)  # the earlier records and these
+            return
+        for w, trailer in zip(writes, trailers, strict=True):
+            w.parts = [*w.parts, trailer]
+            w.sealed = True
+
+    def _refused(self) -> None:
+        direct = self.disk.direct_writes
+        if direct is not None and not direct.refused:
+            direct.refused = True
+            log.warning("%s refused a direct write; L3 writes go through the page cache", self.disk.tmp_dir)
+
+    def _rewrite_buffered(self, records: list[Pending]) -> None:
+        """The file system refused a direct write midway: write ``records`` (every record of the
+        batch so far, in order) again, into a new file through the page cache."""
+        self._refused()
+        assert self._direct is not None
+        self._direct.close()
+        self._direct = None
+        self.tmp.unlink(missing_ok=True)
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for w in records:
+            w.seal()
+        writev_all(self._fd, [part for w in records for part in w.parts])
 
     def commit(self) -> list[Exception | None]:
         """Make the records durable and index them: one result per block added (None: stored)."""
@@ -139,14 +206,20 @@ class DiskBatch:
         if self._fd is not None:
             try:
                 if written:
+                    self._finish_direct()
                     os.fsync(self._fd)
-                    drop_page_cache(self._fd)  # written once, read rarely soon
+                    if self._direct is None:
+                        drop_page_cache(self._fd)  # written once, read rarely soon
             except OSError as exc:
                 for w in written:
                     w.error = exc
                 written = []
             finally:
-                os.close(self._fd)
+                if self._direct is not None:
+                    self._direct.close()
+                    self._direct = None
+                else:
+                    os.close(self._fd)
                 self._fd = None
         own_file = len(written) == 1  # one record: a .kvbin file of its own
         if written:
@@ -171,6 +244,15 @@ class DiskBatch:
         if written:
             self._index(written, own_file)
         return self.results
+
+    def _finish_direct(self) -> None:
+        """The last direct writes, waited for (refused: the batch written again, buffered)."""
+        if self._direct is None:
+            return
+        try:
+            self._direct.finish()
+        except DirectWriteRefused:
+            self._rewrite_buffered([w for w in self._pending if w.error is None])
 
     def _index(self, written: list[Pending], own_file: bool) -> None:
         """Only now, with the records durable under their final name, does the index learn of them."""
