@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +34,22 @@ def test_cli_rejects_bad_input() -> None:
 
     result = CliRunner().invoke(app, ["bench", "redis", "--batch", "0"])
     assert result.exit_code == 1 and "--batch must be positive" in result.output
+
+
+def test_a_run_too_short_to_time_is_made_again_with_more_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-benchmark times in whole milliseconds: 'inf requests per second' is not a rate."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "redis-benchmark"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {calls}\n'
+        f'if [ $(wc -l < {calls}) -lt 2 ]; then echo "GET: inf requests per second, p50=0.023 msec"; '
+        'else echo "GET: 1234.50 requests per second, p50=0.031 msec"; fi\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert redis_gets.redis_benchmark_gets(6379, 100, 10, 4) == 1234.5
+    first, second = calls.read_text().splitlines()
+    assert " -n 10 " in f" {first} " and " -n 100 " in f" {second} "

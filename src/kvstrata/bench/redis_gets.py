@@ -123,11 +123,17 @@ def run(*, blocks: int = 200, batch: int = 16, tokens: int = 64, progress: bool 
 
 
 def redis_benchmark_gets(port: int, size: int, requests: int, pipeline: int) -> float:
-    """Requests per second of ``redis-benchmark`` GET with values of ``size`` bytes, one client."""
-    args = ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(requests)]
-    args += ["-P", str(pipeline), "-c", "1", "-q"]
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    match = re.search(r"GET: ([\d.]+) requests per second", out.replace("\r", "\n"))
-    if match is None:
-        raise ConfigError(f"unexpected redis-benchmark output: {out!r}")
-    return float(match.group(1))
+    """Requests per second of ``redis-benchmark`` GET with values of ``size`` bytes, one client.
+    redis-benchmark times a run in whole milliseconds: a run too short to time ("inf requests per
+    second", seen with a few pipelined requests) is made again with ten times the requests."""
+    for _ in range(4):
+        args = ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(requests)]
+        args += ["-P", str(pipeline), "-c", "1", "-q"]
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        match = re.search(r"GET: ([\d.]+|inf) requests per second", out.replace("\r", "\n"))
+        if match is None:
+            raise ConfigError(f"unexpected redis-benchmark output: {out!r}")
+        if match.group(1) != "inf":
+            return float(match.group(1))
+        requests *= 10
+    raise ConfigError(f"redis-benchmark's GET runs were too short to time, up to {requests // 10} requests")
