@@ -66,3 +66,24 @@ def test_a_model_of_its_own_is_for_kvstrata_only(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(ConfigError, match="a model of kvstrata's own"):
         peers.run(model="tiny", contexts=[64], kvstrata_only=False)
+
+
+def test_goals_pair_each_restore_with_llama_cpps_of_the_same_repeat() -> None:
+    """The disk slows down after the third repeat: each kvstrata restore reads as fast as
+    llama.cpp's of its repeat but one, although the medians come from different stretches."""
+    fast, slow = 0.010, 0.020
+    llama = [fast, fast, fast, slow, slow]
+    exact = [fast * 2, fast * 2, slow * 2, slow * 2, slow * 2]  # twice the bytes
+    restores = {peers.KV_EXACT: exact, peers.KV_INT8: [t * 0.8 for t in llama], peers.LLAMA_FILE: llama}
+    samples = {
+        variant: {"restore_s": times, "save_s": times, "forward_s": times, "ttft_s": times}
+        for variant, times in restores.items()
+    }
+    sizes = {peers.KV_EXACT: 2_000, peers.KV_INT8: 700, peers.LLAMA_FILE: 1_000}
+    out = peers._summarize(64, 2_000, {}, samples, sizes, dict.fromkeys(restores, 1))
+    assert out["goals"] == pytest.approx(
+        {"exact_read_gbps_vs_llama_file": 1.0, "int8_restore_time_vs_llama_file": 0.8}
+    )
+    assert out["goals_of_medians"]["exact_read_gbps_vs_llama_file"] == pytest.approx(0.5)
+    (goals,) = peers._tables({"contexts": {"64": out}})[1:]
+    assert goals.rows == [["64", "1.00x", "0.50x", "met", "0.80x", "0.80x", "met"]]

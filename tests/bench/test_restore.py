@@ -69,6 +69,8 @@ def test_run_measures_every_path_and_baseline(tiny_model: Path, tmp_path: Path) 
         assert ctx["ratios"]["checkpoint"] == pytest.approx(
             v[restore.CHECKPOINT]["gbps"] / v[restore.WRITE_FSYNC]["gbps"]
         )
+        # one repeat: each paired ratio is the ratio of that repeat's samples, so of the medians
+        assert ctx["ratios_of_medians"] == pytest.approx({k: ctx["ratios"][k] for k in restore.TARGETS})
         assert set(ctx["met"]) == set(restore.TARGETS)
     layout = result.data["models"]["tiny"]["layout"]
     assert (layout["num_layers"], layout["num_kv_heads"], layout["head_dim"]) == (2, 2, 32)
@@ -84,10 +86,46 @@ def test_run_measures_every_path_and_baseline(tiny_model: Path, tmp_path: Path) 
         "L1 restore",
         "checkpoint",
     ]
-    assert [row[7] for row in hardware.rows[:4]] == ["0.9x", "0.7x", "0.8x", "0.7x"]
+    assert [row[8] for row in hardware.rows[:4]] == ["0.9x", "0.7x", "0.8x", "0.7x"]
     png = result.save_plot(tmp_path / "restore.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "work" / "ctx-64").exists()  # each context's stores are removed
+
+
+def test_each_path_runs_next_to_its_baselines_in_every_repeat() -> None:
+    groups = [["L1", "L2", "memcpy"], ["L3", "seq", "par"], ["ckpt", "wf"], ["recompute"]]
+    firsts = set()
+    for repeat in range(12):
+        order = restore.order(groups, repeat)
+        assert sorted(order) == sorted(v for g in groups for v in g)
+        for group in groups:
+            at = sorted(order.index(v) for v in group)
+            assert at == list(range(at[0], at[0] + len(group)))  # side by side
+        firsts.add(order[0])
+    assert len(firsts) > len(groups)  # no variant always runs first
+
+
+def test_ratios_pair_each_sample_with_its_own_repeats_baseline() -> None:
+    """The disk slows down halfway through a run: each repeat's restore is as fast as its own
+    cold reads (ratio 1.0), but a ratio of the medians would mix the two stretches."""
+    nbytes = 1_000
+    fast, slow = 0.010, 0.014
+    read = [fast] * 5 + [slow] * 6
+    restore_s = [fast] * 4 + [slow] * 7  # one more of kvstrata's samples in the slow stretch
+    samples = {
+        restore.L3: [{"load_s": t} for t in restore_s],
+        restore.SEQ_READ: [{"seconds": t} for t in read],
+        restore.PAR_READ: [{"seconds": t * 2} for t in read],  # slower: not the best read
+        restore.L2: [{"load_s": t} for t in read],
+        restore.L1: [{"load_s": t / 2} for t in read],  # twice memcpy's speed
+        restore.MEMCPY: [{"seconds": t} for t in read],
+        restore.CHECKPOINT: [{"seconds": t * 1.25} for t in read],
+        restore.WRITE_FSYNC: [{"seconds": t} for t in read],
+    }
+    ratios = restore._paired_ratios(samples, nbytes, nbytes)
+    assert ratios == pytest.approx({"l3_cold": 1.0, "l2": 1.0, "l1": 2.0, "checkpoint": 0.8})
+    # the ratio of the medians: 0.014 against 0.010 s, although every pair was even
+    assert fast / sorted(restore_s)[5] == pytest.approx(0.714, abs=1e-3)
 
 
 def test_cli_json_and_plot(tiny_model: Path, tmp_path: Path) -> None:
