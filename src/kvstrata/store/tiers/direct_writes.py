@@ -6,11 +6,14 @@ filled by the kernel: on this project's VMs that memory often came from pages th
 back (free page reporting), and the kernel then spent 5-8 ms of CPU on a 2.9 MB record instead of
 0.7-1 ms (a 512-token SmolLM2 checkpoint: 17 ms or 35-40 ms at random, against 16 ms for a plain
 write+fsync of the same bytes). Past the page cache the disk takes the bytes straight from a few
-staging buffers that the tier keeps (so they stay paged in): each record is copied into them as it
+staging buffers that the process keeps (so they stay paged in): each record is copied into them as it
 comes, and every full buffer is written while the next one fills, ``IN_FLIGHT`` writes at a time.
 Measured alone (alternated, medians of 9): 23.6 MB written and fsynced in 13.6 ms with two direct
 writes in flight, 15.4 ms with one, 16.6 ms through the page cache; 134 MB in 90, 99 and 90 ms,
-but through the page cache 3 of 9 samples took 345-401 ms.
+but through the page cache 3 of 9 samples took 345-401 ms. The price: where freed memory is still
+at hand (a short script, not a long-running server), the page cache's path can be the faster one
+(a 512-token SmolLM2 checkpoint alternated both ways in one fresh process: 18.1 ms through it,
+20.8 ms direct; the tiny model's 134 MB: the same), but it has no slow mode.
 
 Direct I/O wants file offsets, lengths and buffer addresses aligned (``ALIGN``, the page size,
 covers every disk's logical block): buffers are whole pages, written at multiples of their size,
@@ -43,12 +46,14 @@ ALIGN = 4096
 """File offsets, lengths and buffer addresses of direct writes are multiples of this."""
 STAGE_BYTES = 4 << 20
 """Bytes of one staging buffer, one write to the disk (a multiple of ``ALIGN``)."""
-IN_FLIGHT = 2
-"""Buffers being written at once: the disk takes the next request while it writes one (two in
-flight: 0.88x the time of one after another for 23.6 MB; four, or 1-2 MiB buffers eight and four
-in flight, took no less for 23.6 or 134 MB)."""
-KEPT_BUFFERS = 2 * (IN_FLIGHT + 1)
-"""Staging buffers the process keeps between batches (two batches' worth), whichever store they
+IN_FLIGHT = 4
+"""Buffers being written at once: the disk takes the next request while it writes one, and a
+write that ends while the writer thread waits for the GIL does not leave the disk idle. Raw, two
+in flight took 0.88x the time of one after another for 23.6 MB; in a checkpoint, four took
+0.91-0.98x the time of two (the tiny model's 134 MB, alternated in one process, medians of 11) and
+0.95x for 23.6 MB (15)."""
+KEPT_BUFFERS = IN_FLIGHT + 1
+"""Staging buffers the process keeps between batches (a batch's worth), whichever store they
 serve: fresh memory faults page by page on its first use (kept per store, a checkpoint into a
 store just opened copied its records at 1-1.5 GB/s instead of 6-10)."""
 _kept: list[mmap.mmap] = []
