@@ -173,6 +173,21 @@ def test_a_direct_write_refused_midway_writes_the_batch_again(
     assert not list((tmp_path / "store" / "tmp").iterdir())
 
 
+def _first_write_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The next ``pwrite`` fails with ``EIO``, the later ones write; the list empties once it has."""
+    real_pwrite = os.pwrite
+    failures = [1]
+
+    def fail_once(fd: int, data: object, offset: int) -> int:
+        if failures:
+            failures.pop()
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "pwrite", fail_once)
+    return failures
+
+
 def test_a_failed_early_write_fails_the_whole_batch(
     open_store: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_buffers: None
 ) -> None:
@@ -184,20 +199,12 @@ def test_a_failed_early_write_fails_the_whole_batch(
     first = list(range(4 * LAYOUT.block_tokens))
     store.append(session, first, token_kv(LAYOUT, first))
     store.checkpoint(session)
-    real_pwrite = os.pwrite
-    failures = [1]
-
-    def fail_once(fd: int, data: object, offset: int) -> int:
-        if failures:
-            failures.pop()
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "pwrite", fail_once)
+    failures = _first_write_fails(monkeypatch)
     more = list(range(len(first), len(first) + 12 * LAYOUT.block_tokens))
     store.append(session, more, token_kv(LAYOUT, more, len(first)))
     with pytest.raises(TierUnavailableError, match="previous checkpoint stays valid"):
         store.checkpoint(session)
+    assert not failures  # the write did fail
     assert store.index.sessions.get("default", "s").num_tokens == len(first)  # type: ignore[union-attr]
     new_keys = session.block_keys[len(first) // LAYOUT.block_tokens :]
     assert not any(store.disk.placement(key) for key in new_keys)  # none of the batch indexed
@@ -215,16 +222,7 @@ def test_an_error_found_by_a_later_add_fails_the_records_added_before(
     ``add`` (waiting for a buffer): the records added before it fail too, at the commit (their
     bytes were in that buffer), and none of the batch is indexed."""
     store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
-    real_pwrite = os.pwrite
-    failures = [1]
-
-    def fail_once(fd: int, data: object, offset: int) -> int:
-        if failures:
-            failures.pop()
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "pwrite", fail_once)
+    failures = _first_write_fails(monkeypatch)
     blocks = [make_block(LAYOUT, seed) for seed in range(40)]
     batch = store.disk.open_batch()
     batch.add(blocks[:8])  # fills the first buffer (sent) and starts the second

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import restore
+from kvstrata.bench import restore, restore_report
 from kvstrata.bench.models import TinyShape
 from kvstrata.cli.main import app
 from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama
@@ -122,7 +122,7 @@ def test_ratios_pair_each_sample_with_its_own_repeats_baseline() -> None:
         restore.CHECKPOINT: [{"seconds": t * 1.25} for t in read],
         restore.WRITE_FSYNC: [{"seconds": t} for t in read],
     }
-    ratios = restore._paired_ratios(samples, nbytes, nbytes)
+    ratios = restore_report.paired_ratios(samples, nbytes, nbytes)
     assert ratios == pytest.approx({"l3_cold": 1.0, "l2": 1.0, "l1": 2.0, "checkpoint": 0.8})
     # the ratio of the medians: 0.014 against 0.010 s, although every pair was even
     assert fast / sorted(restore_s)[5] == pytest.approx(0.714, abs=1e-3)

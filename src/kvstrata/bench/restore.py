@@ -72,11 +72,8 @@ from kvstrata.bench.hardware import (
 )
 from kvstrata.bench.measure import (
     frozen_heap,
-    gbps,
-    median,
     parse_int_list,
     parse_optional_int_list,
-    ratio,
     rotate,
 )
 from kvstrata.bench.models import TINY, TinyShape, load_bench_model, prefill_kv, prompt_token_ids
@@ -91,8 +88,10 @@ from kvstrata.bench.restore_report import (
     PAR_READ,
     RECOMPUTE,
     SEQ_READ,
+    TARGETS,
     WRITE_FSYNC,
     plot,
+    summarize,
     tables,
 )
 from kvstrata.bench.stores import Restorer, bench_config, commit_session, open_store, room_for, workdir
@@ -109,9 +108,6 @@ DEFAULT_TINY_CONTEXTS = "32768"
 TINY_SHAPE = TinyShape(layers=2, hidden=256, heads=4, kv_heads=4)
 """The long-context model: 4 KiB of fp32 KV a token (128 MiB at 32,768 tokens), a fast forward."""
 IN_FLIGHT = 8
-
-TARGETS = {"l3_cold": 0.9, "l2": 0.7, "l1": 0.8, "checkpoint": 0.7}
-"""Issue 14's acceptance: kvstrata's GB/s over the raw hardware's, same bytes, same run."""
 
 ContextsOption = Annotated[
     str, typer.Option("--contexts", help="Context lengths in tokens (comma-separated) on --model.")
@@ -279,7 +275,7 @@ def _measure_context(
     if recomputes == 0:
         # the build prefill (N tokens through the model, logits of the last) stands in
         samples[RECOMPUTE].append({"ttft_s": prefill_s, "from_build_prefill": 1.0})
-    return _summarize(
+    return summarize(
         n, context.nbytes, prefill_s, samples, context.checks, context.logits, context.disk_bytes
     )
 
@@ -436,89 +432,3 @@ class _Context:
             "restore_s": restored.restore_s,
             "forward_s": forward_s,
         }
-
-
-def _summarize(
-    n: int,
-    nbytes: int,
-    prefill_s: float,
-    samples: dict[str, list[dict[str, float]]],
-    checks: dict[str, dict[str, Any]],
-    logits_by: dict[str, torch.Tensor],
-    disk_bytes: dict[str, int],
-) -> dict[str, Any]:
-    reference = logits_by.get(RECOMPUTE)
-    out: dict[str, Any] = {
-        "tokens": n,
-        "kv_bytes": nbytes,
-        "build_prefill_s": prefill_s,
-        "disk_bytes": disk_bytes,
-        "variants": {},
-    }
-    for variant, runs in samples.items():
-        entry: dict[str, Any] = {"runs": runs}
-        for metric in ("ttft_s", "load_s", "restore_s", "forward_s", "seconds"):
-            values = [r[metric] for r in runs if metric in r]
-            if values:
-                entry[f"median_{metric}"] = median(values)
-        if "median_load_s" in entry:
-            entry["load_gbps"] = gbps(nbytes, entry["median_load_s"])
-            entry["restore_gbps"] = gbps(nbytes, entry["median_restore_s"])
-        elif "median_seconds" in entry:
-            moved = disk_bytes.get(L3, nbytes) if variant == PAR_READ else nbytes
-            entry["bytes"] = moved
-            entry["gbps"] = gbps(moved, entry["median_seconds"])
-        entry |= checks.get(variant, {})
-        if variant in logits_by and reference is not None and variant != RECOMPUTE:
-            entry["max_abs_logit_diff_vs_recompute"] = (logits_by[variant] - reference).abs().max().item()
-            entry["same_first_token"] = bool(int(logits_by[variant].argmax()) == int(reference.argmax()))
-        out["variants"][variant] = entry
-    v = out["variants"]
-    best_read = max((PAR_READ, SEQ_READ), key=lambda name: v[name]["gbps"])
-    out["best_cold_read"] = best_read
-    out["ratios_of_medians"] = {
-        "l3_cold": ratio(v[L3]["load_gbps"], v[best_read]["gbps"]),
-        "l2": ratio(v[L2]["load_gbps"], v[MEMCPY]["gbps"]),
-        "l1": ratio(v[L1]["load_gbps"], v[MEMCPY]["gbps"]),
-        "checkpoint": ratio(v[CHECKPOINT]["gbps"], v[WRITE_FSYNC]["gbps"]),
-    }
-    out["ratios"] = {
-        **_paired_ratios(samples, nbytes, disk_bytes.get(L3, nbytes)),
-        "l3_cold_vs_sequential_read": ratio(v[L3]["load_gbps"], v[SEQ_READ]["gbps"]),
-        "l3_cold_vs_parallel_read": ratio(v[L3]["load_gbps"], v[PAR_READ]["gbps"]),
-        "recompute_vs_l3_cold_ttft": ratio(v[RECOMPUTE]["median_ttft_s"], v[L3]["median_ttft_s"]),
-        "recompute_vs_l1_ttft": ratio(v[RECOMPUTE]["median_ttft_s"], v[L1]["median_ttft_s"]),
-    }
-    out["met"] = {name: out["ratios"][name] >= target for name, target in TARGETS.items()}
-    return out
-
-
-def _paired_ratios(
-    samples: dict[str, list[dict[str, float]]], nbytes: int, par_bytes: int
-) -> dict[str, float]:
-    """Issue 14's ratios, paired: in each repeat, kvstrata's GB/s over its baseline's GB/s measured
-    next to it (the L3 restore over the faster of that repeat's two cold reads); the median over
-    the repeats. A ratio of the medians mixes samples taken minutes apart: this VM's disk changes
-    speed within a run (a 377 MB cold read took 190-205 ms for five repeats, then 250-280 ms for
-    the rest), and which side had more samples in the slow stretch decided the ratio."""
-    repeats = len(samples[L3])
-
-    def paired(kvstrata: list[float], baseline: list[float]) -> float:
-        return median([k / b for k, b in zip(kvstrata, baseline, strict=True)])
-
-    def rate(variant: str, metric: str, moved: int) -> list[float]:
-        return [moved / run[metric] for run in samples[variant][:repeats]]
-
-    best_read = [
-        max(seq, par)
-        for seq, par in zip(
-            rate(SEQ_READ, "seconds", nbytes), rate(PAR_READ, "seconds", par_bytes), strict=True
-        )
-    ]
-    memcpy = rate(MEMCPY, "seconds", nbytes)
-    return {
-        "l3_cold": paired(rate(L3, "load_s", nbytes), best_read),
-        "l2": paired(rate(L2, "load_s", nbytes), memcpy),
-        "l1": paired(rate(L1, "load_s", nbytes), memcpy),
-        "checkpoint": paired(rate(CHECKPOINT, "seconds", nbytes), rate(WRITE_FSYNC, "seconds", nbytes)),
-    }

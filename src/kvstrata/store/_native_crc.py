@@ -207,6 +207,11 @@ def resident_pages(fd: int, offset: int, length: int) -> int | None:
     return pages if pages >= 0 else None
 
 
+def _check_runs(dest: np.ndarray, src: np.ndarray, lens: np.ndarray) -> None:
+    if any(a.dtype != np.int64 or not a.flags.c_contiguous or len(a) != len(dest) for a in (dest, src, lens)):
+        raise ValueError("dest, src and lens must be contiguous int64 arrays of one length")
+
+
 def copy_runs(dest: np.ndarray, src: np.ndarray, lens: np.ndarray, *, stream: bool) -> bool:
     """Copy ``lens[k]`` bytes from address ``src[k]`` to ``dest[k]`` for every k, in one native
     call (the GIL released); ``stream``: with non-temporal stores (for copies far larger than the
@@ -217,9 +222,7 @@ def copy_runs(dest: np.ndarray, src: np.ndarray, lens: np.ndarray, *, stream: bo
     if lib is None:
         LIBRARY.start()
         return False
-    arrays = (dest, src, lens)
-    if any(a.dtype != np.int64 or not a.flags.c_contiguous or len(a) != len(dest) for a in arrays):
-        raise ValueError("dest, src and lens must be contiguous int64 arrays of one length")
+    _check_runs(dest, src, lens)
     lib.kvs_copy_runs(dest.ctypes.data, src.ctypes.data, lens.ctypes.data, len(dest), int(stream))
     return True
 
@@ -233,9 +236,7 @@ def copy_crc32c_runs(
     if lib is None:
         LIBRARY.start()
         return None
-    arrays = (dest, src, lens)
-    if any(a.dtype != np.int64 or not a.flags.c_contiguous or len(a) != len(dest) for a in arrays):
-        raise ValueError("dest, src and lens must be contiguous int64 arrays of one length")
+    _check_runs(dest, src, lens)
     return int(
         lib.kvs_copy_crc32c_runs(
             dest.ctypes.data, src.ctypes.data, lens.ctypes.data, len(dest), crc, int(stream)
