@@ -270,7 +270,7 @@ def test_store_demo_is_found_under_its_store_option(tmp_path: Path) -> None:
 
 
 def test_the_progress_bar_is_one_helper_and_stays_off_the_pipe() -> None:
-    from kvstrata.bench import command
+    from kvstrata.bench.common import command
     from kvstrata.cli import eval_cmd, progress
 
     assert command.progress_bar is progress.progress_bar

@@ -62,7 +62,7 @@ def test_past_the_budget_copies_go_to_fresh_memory_and_free_buffers_of_other_sha
 
 
 def test_append_copies_blocks_into_recycled_buffers(tmp_path) -> None:
-    from kvstrata.bench.stores import bench_config, commit_session, open_store
+    from kvstrata.bench.common.stores import bench_config, commit_session, open_store
     from kvstrata.layout import KVLayout
 
     layout = KVLayout(2, 2, 8, "float32", 4)

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench.agents import (
+from kvstrata.bench.agents.runner import run_baseline
+from kvstrata.bench.agents.workload import (
     BACKGROUND,
     HOT,
     AgentsParams,
-    run_baseline,
     schedule,
     slots,
     system_message,
     user_message,
 )
-from kvstrata.bench.command import progress_bar
-from kvstrata.bench.models import load_bench_model
+from kvstrata.bench.common.command import progress_bar
+from kvstrata.bench.common.models import load_bench_model
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
 

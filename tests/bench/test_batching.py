@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import batching, batching_engine
+from kvstrata.bench.batching import engine as batching_engine
+from kvstrata.bench.batching import runner as batching
 from kvstrata.cli.main import app
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama

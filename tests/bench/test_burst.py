@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import burst
+from kvstrata.bench.burst import runner as burst
 from kvstrata.cli.main import app
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import decode_overhead
+from kvstrata.bench.decode_overhead import runner as decode_overhead
 from kvstrata.cli.main import app
 from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama
 

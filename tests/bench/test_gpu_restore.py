@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvstrata.bench import gpu_restore
+from kvstrata.bench.gpu_restore import runner as gpu_restore
 from kvstrata.cli.main import app
 from kvstrata.errors import ConfigError
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench import hardware
+from kvstrata.bench.common import hardware
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 

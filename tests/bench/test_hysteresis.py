@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from kvstrata.bench import hysteresis
+from kvstrata.bench.hysteresis import runner as hysteresis
 from kvstrata.cli.main import app
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench import memory_modes
+from kvstrata.bench.memory_modes import runner as memory_modes
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import peers
+from kvstrata.bench.peers import report as peers_report
+from kvstrata.bench.peers import runner as peers
 from kvstrata.cli.main import app
 from kvstrata.errors import ConfigError
 
@@ -80,10 +81,10 @@ def test_goals_pair_each_restore_with_llama_cpps_of_the_same_repeat() -> None:
         for variant, times in restores.items()
     }
     sizes = {peers.KV_EXACT: 2_000, peers.KV_INT8: 700, peers.LLAMA_FILE: 1_000}
-    out = peers._summarize(64, 2_000, {}, samples, sizes, dict.fromkeys(restores, 1))
+    out = peers_report.summarize(64, 2_000, {}, samples, sizes, dict.fromkeys(restores, 1))
     assert out["goals"] == pytest.approx(
         {"exact_read_gbps_vs_llama_file": 1.0, "int8_restore_time_vs_llama_file": 0.8}
     )
     assert out["goals_of_medians"]["exact_read_gbps_vs_llama_file"] == pytest.approx(0.5)
-    (goals,) = peers._tables({"contexts": {"64": out}})[1:]
+    (goals,) = peers_report.tables({"contexts": {"64": out}})[1:]
     assert goals.rows == [["64", "1.00x", "0.50x", "met", "0.80x", "0.80x", "met"]]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import prefetch
+from kvstrata.bench.prefetch import runner as prefetch
 from kvstrata.cli.main import app
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench import redis_gets
+from kvstrata.bench.redis_gets import runner as redis_gets
 
 
 @pytest.mark.skipif(shutil.which("redis-benchmark") is None, reason="redis-tools is not installed")

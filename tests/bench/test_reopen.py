@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import reopen
+from kvstrata.bench.reopen import runner as reopen
 from kvstrata.cli.main import app
 from kvstrata.errors import ConfigError
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import restore, restore_report
-from kvstrata.bench.models import TinyShape
+from kvstrata.bench.common.models import TinyShape
+from kvstrata.bench.restore import report as restore_report
+from kvstrata.bench.restore import runner as restore
 from kvstrata.cli.main import app
 from kvstrata.integrations.transformers.model import MODEL_CACHE_ENV, save_tiny_llama
 

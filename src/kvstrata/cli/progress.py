@@ -2,7 +2,7 @@
 
 stdout carries the result (a table, or JSON that a script parses); progress goes to stderr, and only
 when stderr is a terminal: a log file or a pipe gets no bars and no half-drawn lines. The bench
-suites (``kvstrata.bench.command``) and ``kvstrata eval`` use the same bar. Cheap to import: no
+suites (``kvstrata.bench.common.command``) and ``kvstrata eval`` use the same bar. Cheap to import: no
 torch here.
 """
 

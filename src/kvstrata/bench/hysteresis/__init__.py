@@ -1,0 +1,4 @@
+"""``kvstrata bench hysteresis``: block migrations under memory pressure around the watermarks.
+
+``runner`` holds the suite's typer ``command`` and its ``run(...)``; the other modules of this
+package are its parts. Importing this package imports none of them."""

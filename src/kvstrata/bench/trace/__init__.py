@@ -1,0 +1,4 @@
+"""``kvstrata bench trace``: replaying Mooncake's conversation trace.
+
+``runner`` holds the suite's typer ``command`` and its ``run(...)``; the other modules of this
+package are its parts. Importing this package imports none of them."""
