@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -277,3 +278,48 @@ def test_the_progress_bar_is_one_helper_and_stays_off_the_pipe() -> None:
     assert eval_cmd.progress_bar is progress.progress_bar
     # under pytest stderr is captured, not a terminal: the bar draws nothing, even when asked to
     assert progress_bar(True).disable and not progress.show_progress(False)
+
+
+def test_a_fork_continues_its_parents_conversation(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Issue 31, gap 7: the transcript belongs to the session, so `sessions fork` carries it."""
+    store = str(tmp_path / "kv")
+
+    def chat(session: str, text: str) -> dict[str, int]:
+        args = ["chat", "--store", store, "--session", session, "--max-new-tokens", "4", "--json", text]
+        return json.loads(kv(cli_env, *args).stdout)  # type: ignore[no-any-return]
+
+    chat("a", "Day one: we planted beans.")
+    second = chat("a", "Day two: we watered them.")
+    kv(cli_env, "sessions", "fork", "a", "b", "--store", store)
+    alone = chat("c", "And day three?")  # the same message with no history
+    forked = chat("b", "And day three?")
+    # b's prompt is a's two turns plus the new one, and a's KV is reused for them
+    assert forked["prompt_tokens"] > second["prompt_tokens"] + alone["prompt_tokens"] // 2
+    assert forked["cached_tokens"] >= second["prompt_tokens"]
+    assert not list(Path(store).rglob("chats"))  # nothing of the conversation beside the store
+
+
+def test_a_transcript_kept_beside_the_store_moves_into_it(cli_env: dict[str, str], tmp_path: Path) -> None:
+    store = tmp_path / "kv"
+    first = json.loads(kv(cli_env, "chat", "--store", str(store), "-s", "old", "--json", "Hi").stdout)
+    (layout_dir,) = [p.parent for p in store.glob("*/index.sqlite")]
+    legacy = layout_dir / "chats" / "default" / "old.json"  # where an older build kept it
+    legacy.parent.mkdir(parents=True)
+    messages = [
+        {"role": "user", "content": "Remember the word aubergine."},
+        {"role": "assistant", "content": "OK"},
+    ]
+    legacy.write_text(json.dumps(messages))
+    with KVStore(layout_dir, read_only=True) as reader:  # drop the transcript the first chat stored
+        assert reader.documents.get("old", "chat") is not None
+
+    with sqlite3.connect(layout_dir / "index.sqlite") as db:
+        db.execute("DELETE FROM session_documents")
+    again = json.loads(
+        kv(cli_env, "chat", "--store", str(store), "-s", "old", "--json", "Which word?").stdout
+    )
+    assert again["prompt_tokens"] > first["prompt_tokens"]  # the legacy history was sent
+    assert not legacy.exists() and not (layout_dir / "chats").exists()
+    with KVStore(layout_dir, read_only=True) as reader:
+        stored = json.loads(reader.documents.get("old", "chat") or b"[]")
+    assert stored[:2] == messages and stored[2]["content"] == "Which word?"

@@ -329,7 +329,8 @@ def test_chat_command_resumes_a_session(tiny: LoadedModel, tmp_path: Path) -> No
     assert b["cached_tokens"] >= a["prompt_tokens"]
     assert b["prefill_tokens"] == b["prompt_tokens"] - b["cached_tokens"]
     layout_dir = tmp_path / "s" / tiny.layout(64).fingerprint.hex()[:12]
-    transcript = json.loads((layout_dir / "chats" / "default" / "cli.json").read_text())
+    with KVStore(layout_dir, read_only=True) as stored:  # the transcript is the session's document
+        transcript = json.loads(stored.documents.get("cli", "chat") or b"[]")
     assert [m["role"] for m in transcript] == ["system", "user", "assistant", "user", "assistant"]
 
 

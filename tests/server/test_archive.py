@@ -38,7 +38,8 @@ def blocks_on_disk(store: KVStore) -> int:
 
 def test_import_restores_tokens_and_kv(model: LoadedModel, exported: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
     data, tokens, kv = exported
-    header, _, blocks = archive.read_archive(data)
+    parsed = archive.read_archive(data)
+    header, blocks = parsed.header, parsed.blocks
     assert (header.session_id, header.namespace, header.num_tokens) == ("s", "default", len(tokens))
     with open_store(model, tmp_path) as store:
         session = archive.import_session(store, data)

@@ -1,19 +1,21 @@
 """``kvstrata chat``: talk to a model, one session at a time, reusing the session's stored KV.
 
-The conversation's messages are kept beside the store as ``chats/<namespace>/<session>.json``
-(the store keeps token ids and KV, not messages); each turn renders the whole conversation,
-and the engine prefills only what the store does not hold yet. ``--store`` is a store root: the
-model's store is ``<store>/<layout>/`` (``kvstrata.cli.stores``), which ``kvstrata sessions``,
-``store stats`` and ``gc`` then find under the same ``--store``.
+The conversation's messages are the session's document ``chat`` in the store
+(``KVStore.documents``: forked, exported, deleted and expired with the session, sealed in an
+encrypted store); a transcript that an older build kept beside the store
+(``chats/<namespace>/<session>.json``) is moved into it on first use. Each turn renders the whole
+conversation, and the engine prefills only what the store does not hold yet. ``--store`` is a
+store root: the model's store is ``<store>/<layout>/`` (``kvstrata.cli.stores``), which
+``kvstrata sessions``, ``store stats`` and ``gc`` then find under the same ``--store``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -36,7 +38,12 @@ from kvstrata.errors import KVStrataError
 from kvstrata.priority import Priority
 from kvstrata.store.sessions import validate_session_id
 
+if TYPE_CHECKING:
+    from kvstrata.store import KVStore
+
 BLOCK_TOKENS = 64
+TRANSCRIPT = "chat"
+"""The name of the session document that holds the conversation's messages (JSON)."""
 
 
 def chat(
@@ -78,12 +85,12 @@ def chat(
         loaded = load_model(model, progress=show_progress(json_out))
         layout = loaded.layout(BLOCK_TOKENS)
         root = store_for_layout(store_root(store), layout)
-        transcript_path = root / "chats" / namespace / f"{session}.json"
-        messages = _read_transcript(transcript_path)
-        if not messages and system:
-            messages.append({"role": "system", "content": system})
         inputs = [message] if message is not None else _stdin_messages()
         with KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config) as kv:
+            kv.create_session(session, namespace, priority=priority, exist_ok=True)
+            messages = _read_transcript(kv, root, namespace, session)
+            if not messages and system:
+                messages.append({"role": "system", "content": system})
             engine = Engine(loaded, kv)
             for text in inputs:
                 messages.append({"role": "user", "content": text})
@@ -99,7 +106,7 @@ def chat(
                     stream=stream,
                 )
                 messages.append({"role": "assistant", "content": response.text})
-                _write_transcript(transcript_path, messages)
+                _write_transcript(kv, namespace, session, messages)
                 if json_out:
                     print_json(response)
                 else:
@@ -129,21 +136,33 @@ def _stdin_messages() -> list[str]:
     return [line.rstrip("\n") for line in sys.stdin if line.strip()]
 
 
-def _read_transcript(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
+def _read_transcript(kv: KVStore, root: Path, namespace: str, session: str) -> list[dict[str, str]]:
+    data = kv.documents.get(session, TRANSCRIPT, namespace=namespace)
+    where = f"the conversation of session {namespace}/{session}"
+    legacy = root / "chats" / namespace / f"{session}.json"
+    if data is None and legacy.is_file():
+        where = str(legacy)
+        try:
+            data = legacy.read_bytes()
+        except OSError as exc:
+            fail(f"cannot read the conversation {legacy}: {exc}")
+    if data is None:
         return []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        fail(f"cannot read the conversation {path}: {exc}")
-    if not isinstance(data, list) or not all(isinstance(m, dict) and "role" in m for m in data):
-        fail(f"{path} is not a conversation (a JSON list of messages)")
-    return data
+        messages = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        fail(f"cannot read {where}: {exc}")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        fail(f"{where} is not a conversation (a JSON list of messages)")
+    if legacy.is_file():  # moved into the store once, then removed from beside it
+        _write_transcript(kv, namespace, session, messages)
+        legacy.unlink()
+        for empty in (legacy.parent, legacy.parent.parent):
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+    return messages
 
 
-def _write_transcript(path: Path, messages: list[dict[str, str]]) -> None:
-    # Written under a new name and renamed, so a crash leaves the old or the new transcript.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(messages, ensure_ascii=False, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+def _write_transcript(kv: KVStore, namespace: str, session: str, messages: list[dict[str, str]]) -> None:
+    data = json.dumps(messages, ensure_ascii=False, indent=1).encode("utf-8")
+    kv.documents.put(session, TRANSCRIPT, data, namespace=namespace)

@@ -9,8 +9,8 @@ store (``DIR/index.sqlite``: a vLLM connector's ``store_dir``, a store made with
 is accepted everywhere and used as it is.
 
     DIR/
-      66623acb331b/   index.sqlite hot/ cold/ chats/ ...   one model layout (e.g. the tiny Llama)
-      d81ab0fd5c92/   index.sqlite hot/ cold/ chats/ ...   another (e.g. SmolLM2-135M)
+      66623acb331b/   index.sqlite hot/ cold/ segments/ ...   one model layout (e.g. the tiny Llama)
+      d81ab0fd5c92/   index.sqlite hot/ cold/ segments/ ...   another (e.g. SmolLM2-135M)
 """
 
 from __future__ import annotations

@@ -5,13 +5,16 @@ Layout (little-endian)::
     magic (8 bytes), format version (u16), header length (u32), header (JSON: session id,
         namespace, created time, token count, block count, layout and model fingerprints)
     manifest length (u32), the session manifest (``Session.to_manifest``, itself CRC-checked)
+    (format 2) document count (u32), then per session document: name length (u16), name (UTF-8),
+        flags (u8: 1 = inherited), data length (u32), data
     for each block, in session order: record length (u32), a ``.kvbin`` record
     trailer: CRC32C of everything before it (u32)
 
 Import verifies the whole archive before it writes anything: the trailer, every length, every
 record's own CRC, layout and key, that the keys are the content-hash chain of the manifest's
 tokens, and that the model and layout are this store's. Blocks are then re-keyed for the target
-namespace (keys include it), written durably to L3, and only then is the session committed.
+namespace (keys include it), written durably to L3, and only then is the session committed,
+with its documents (:mod:`kvstrata.store.documents`). Format 1 archives (no documents) are read.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ from kvstrata.errors import (
 from kvstrata.keys import BlockKey, session_chain
 from kvstrata.store import KVStore
 from kvstrata.store.block import KVBlock
+from kvstrata.store.documents import Document, validate_name
 from kvstrata.store.kvbin import decode_record, encode_record
 from kvstrata.store.sessions import Session, validate_session_id
 
 MAGIC = b"\x89KVSARC\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READS = (1, 2)
+_U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 
@@ -77,6 +83,12 @@ def export_session(store: KVStore, session: Session) -> bytes:
     manifest = session.to_manifest()
     parts = [MAGIC, _U16.pack(FORMAT_VERSION), _U32.pack(len(header_bytes)), header_bytes]
     parts += [_U32.pack(len(manifest)), manifest]
+    documents = store.documents.export(session.id, namespace=session.namespace)
+    parts.append(_U32.pack(len(documents)))
+    for doc in documents:
+        name = doc.name.encode()
+        parts += [_U16.pack(len(name)), name, _U8.pack(int(doc.inherited))]
+        parts += [_U32.pack(len(doc.data)), doc.data]
     for record in records:
         parts += [_U32.pack(len(record)), record]
     body = b"".join(parts)
@@ -99,7 +111,15 @@ class _Reader:
         return int(_U32.unpack(self.take(4, what))[0])
 
 
-def read_archive(data: bytes) -> tuple[ArchiveHeader, Session, list[tuple[BlockKey, int, EncodedBlock]]]:
+@dataclass(frozen=True, slots=True)
+class Archive:
+    header: ArchiveHeader
+    session: Session
+    blocks: list[tuple[BlockKey, int, EncodedBlock]]
+    documents: list[Document]
+
+
+def read_archive(data: bytes) -> Archive:
     """Parse and verify an archive's framing and checksums (not yet against a store)."""
     if len(data) < len(MAGIC) + _U16.size + 2 * _U32.size:
         raise CorruptBlockError("archive truncated")
@@ -113,8 +133,8 @@ def read_archive(data: bytes) -> tuple[ArchiveHeader, Session, list[tuple[BlockK
     reader = _Reader(body)
     reader.take(len(MAGIC), "magic")
     (version,) = _U16.unpack(reader.take(_U16.size, "version"))
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError(f"unsupported archive version {version} (this build reads {FORMAT_VERSION})")
+    if version not in _READS:
+        raise CorruptBlockError(f"unsupported archive version {version} (this build reads {_READS})")
     try:
         raw = json.loads(bytes(reader.take(reader.u32("header length"), "header")))
         header = ArchiveHeader(
@@ -136,6 +156,7 @@ def read_archive(data: bytes) -> tuple[ArchiveHeader, Session, list[tuple[BlockK
         header.num_blocks,
     ):
         raise CorruptBlockError("archive header and manifest disagree")
+    documents = _read_documents(reader) if version >= 2 else []
     blocks = []
     for i, key in enumerate(session.all_keys()):
         record = reader.take(reader.u32(f"block {i} length"), f"block {i}")
@@ -145,7 +166,25 @@ def read_archive(data: bytes) -> tuple[ArchiveHeader, Session, list[tuple[BlockK
         blocks.append((key, rec_header.start_pos, encoded))
     if reader.pos != len(body):
         raise CorruptBlockError(f"{len(body) - reader.pos} unexpected bytes after the last block")
-    return header, session, blocks
+    return Archive(header, session, blocks, documents)
+
+
+def _read_documents(reader: _Reader) -> list[Document]:
+    documents = []
+    for i in range(reader.u32("document count")):
+        (name_len,) = _U16.unpack(reader.take(_U16.size, f"document {i} name length"))
+        try:
+            name = validate_name(bytes(reader.take(name_len, f"document {i} name")).decode())
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CorruptBlockError(f"archive document {i}: malformed name ({exc})") from exc
+        (flags,) = _U8.unpack(reader.take(_U8.size, f"document {i} flags"))
+        if flags > 1:
+            raise CorruptBlockError(f"archive document {i}: unknown flags {flags}")
+        data = bytes(reader.take(reader.u32(f"document {i} length"), f"document {i}"))
+        documents.append(Document(name, data, bool(flags)))
+    if len({d.name for d in documents}) != len(documents):
+        raise CorruptBlockError("archive holds two documents of one name")
+    return documents
 
 
 def _key_chain(store: KVStore, namespace: str, session: Session) -> tuple[list[BlockKey], BlockKey | None]:
@@ -164,7 +203,8 @@ def import_session(
     """Recreate the archived session in ``namespace`` (default: the archive's) as ``new_id``
     (default: the archived id). Raises ``CorruptBlockError`` on any damage (nothing written),
     ``LayoutMismatchError`` for another model or layout, ``SessionExistsError`` if the id is taken."""
-    header, archived, blocks = read_archive(data)
+    archive = read_archive(data)
+    header, archived, blocks = archive.header, archive.session, archive.blocks
     if header.layout_fingerprint != store.layout.fingerprint:
         raise LayoutMismatchError("the archive was written for another KV layout than this store's")
     if header.model_fingerprint != store.model_fingerprint:
@@ -213,4 +253,5 @@ def import_session(
     session.parent = archived.parent
     session.lineage, session.lineage_from = archived.lineage, archived.lineage_from
     store.checkpoint(session)
+    store.documents.restore(session_id, archive.documents, namespace=target_ns)
     return session

@@ -33,6 +33,7 @@ from kvstrata.keys import BlockKey, chain_key, root_key
 from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
 from kvstrata.store.block_access import BlockAccess
+from kvstrata.store.documents import SessionDocuments
 from kvstrata.store.evictor import Evictor
 from kvstrata.store.index import Index
 from kvstrata.store.keycheck import check_encryption_key
@@ -140,6 +141,14 @@ class KVStore(BlockAccess, Leasing, SessionIO):
                 or any(q.l3_bytes is not None for q in self.config.namespace_quotas.values())
             ):
                 disk.evictor = Evictor(self.tiered, disk, self.root, live_keys=self._live_keys)
+            keyring = Keyring(self.config.encryption_key) if self.config.encryption_key is not None else None
+            self.documents = SessionDocuments(
+                self.index.documents,
+                keyring,
+                lambda namespace, session_id: self._find(namespace, session_id) is not None,
+                read_only=read_only,
+            )
+            """Small named blobs a session owns (transcripts, stored responses): see documents.py."""
         except BaseException:
             if self.index is not None:
                 self.index.close()
@@ -364,4 +373,5 @@ class KVStore(BlockAccess, Leasing, SessionIO):
         )
         self._sessions[(child.namespace, child.id)] = child
         self.checkpoint(child)
+        self.documents.copy(session.id, child_id, namespace=session.namespace)
         return child

@@ -80,6 +80,7 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
     with maintenance_lock(store):
         store.flush()
         deleted, busy = _expire_sessions(store, config, now)
+        store.documents.sweep_orphans()  # of sessions deleted by a fork cut short or an older build
         doomed = _delete_unreferenced(store, now - max(config.unreferenced_after_s, config.grace_s))
         bytes_freed = sum(placement.nbytes for placement in doomed.values())
         for key, placement in doomed.items():  # rows are gone: now their files

@@ -2,7 +2,8 @@
 
 :class:`Index` opens the file (:mod:`.db`), creates or migrates the tables, checks the layout,
 and gives the tables: ``index.blocks`` (:mod:`.block_rows`), ``index.sessions``
-(:mod:`.session_rows`) and ``index.leases`` (:mod:`.leases`). Every process that has the store
+(:mod:`.session_rows`), ``index.leases`` (:mod:`.leases`) and ``index.documents``
+(:mod:`.documents`, small blobs a session owns). Every process that has the store
 open uses the same file; SQLite (WAL, short write transactions, a busy timeout) serializes them.
 
 Format history: 1, the first; 2 adds a namespace per block row, per-namespace usage totals and
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from kvstrata.errors import StoreFormatError
 from kvstrata.layout import KVLayout
-from kvstrata.store.index import block_rows, leases, session_rows
+from kvstrata.store.index import block_rows, documents, leases, session_rows
 from kvstrata.store.index.block_rows import BlockRow, BlockTable
 from kvstrata.store.index.db import INDEX_FORMAT_VERSION, META_SCHEMA, IndexDB
+from kvstrata.store.index.documents import DocumentTable
 from kvstrata.store.index.leases import LeaseTable
 from kvstrata.store.index.session_rows import SessionRow, SessionTable
 
@@ -32,13 +34,16 @@ class Index:
         self.db = IndexDB(path, read_only=read_only)
         try:
             if not read_only:
-                self.db.executescript(META_SCHEMA + block_rows.SCHEMA + session_rows.SCHEMA + leases.SCHEMA)
+                self.db.executescript(
+                    META_SCHEMA + block_rows.SCHEMA + session_rows.SCHEMA + leases.SCHEMA + documents.SCHEMA
+                )
             elif not self.db.columns("meta"):
                 raise StoreFormatError(f"{path} holds no kvstrata index")
             self.layout, version = self.db.check_layout(layout)
             self.blocks = BlockTable(self.db)
             self.sessions = SessionTable(self.db)
             self.leases = LeaseTable(self.db)
+            self.documents = DocumentTable(self.db)
             if not read_only:
                 self.sessions.migrate()
                 if version < INDEX_FORMAT_VERSION:

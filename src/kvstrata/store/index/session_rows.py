@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.errors import SessionConflictError
+from kvstrata.store.index.documents import delete_session_documents
 
 if TYPE_CHECKING:
     from kvstrata.store.index.db import IndexDB
@@ -173,6 +174,7 @@ class SessionTable:
     def delete(self, namespace: str, session_id: str) -> bool:
         with self.db.transaction() as db:
             cur = db.execute("DELETE FROM sessions WHERE namespace = ? AND id = ?", (namespace, session_id))
+            delete_session_documents(db, namespace, session_id)  # they go with it, atomically
             return cur.rowcount > 0
 
     def touch(self, namespace: str, session_id: str, when: float | None = None) -> None:
