@@ -1,4 +1,4 @@
-"""The fenced code blocks of README.md and docs/*.md, and how each one runs.
+"""The fenced code blocks of README.md, docs/*.md and docs/benchmarks/*.md, and how each one runs.
 
 The line right before a fence says how the block runs (tests/test_docs.py and
 tests_vllm/test_docs_vllm.py run them):
@@ -54,7 +54,8 @@ class DocBlock:
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = ROOT / "docs"
+    return [ROOT / "README.md", *sorted(docs.glob("*.md")), *sorted(docs.glob("benchmarks/*.md"))]
 
 
 def parse(path: Path) -> tuple[list[DocBlock], list[str]]:
