@@ -84,8 +84,6 @@ KNOWN_CIRCLES: list[tuple[str, str]] = [
     ("store.placement store.demoter store.reencoder store.restore store.restore_stream", "refactor"),
     ("store.tiers.disk store.tiers.disk_batch store.evictor", "refactor"),
     ("store store.kvstore store.stats", "refactor"),
-    ("bench.agents bench.agents_report", "ops"),
-    ("bench.trace bench.trace_report", "ops"),
     ("server.openai_api server.streaming", "api"),
 ]
 
@@ -99,10 +97,6 @@ KNOWN_CLIMBS: list[tuple[str, str]] = [
 
 MAX_MODULE_LINES = 400
 KNOWN_LONG_MODULES: list[tuple[str, str]] = [
-    ("bench/agents.py", "ops"),
-    ("bench/peers.py", "ops"),
-    ("bench/restore.py", "ops"),
-    ("bench/trace.py", "ops"),
     ("engine/batch/forward.py", "pool"),
     ("engine/engine.py", "drain"),
     ("integrations/vllm/worker.py", "drain"),
