@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.config import StoreConfig
+from kvstrata.config import StoreConfig, parse_size
 from kvstrata.errors import ConfigError
-from kvstrata.integrations.vllm.config import ConnectorConfig, parse_ladder, parse_size
+from kvstrata.integrations.vllm.config import ConnectorConfig
 from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.integrations.vllm.ranks import rank_key
 from kvstrata.policy.ladder import CodecLadder, Rung
@@ -78,7 +78,7 @@ def test_defaults_are_exact_and_local(tmp_path: Path) -> None:
     cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
     assert cfg.priority is Priority.REALTIME  # exact KV everywhere: a hit gives a recompute's tokens
     assert cfg.store.remote is None
-    assert parse_ladder("exact") == CodecLadder.exact()
+    assert CodecLadder.parse("exact") == CodecLadder.exact()
 
 
 def test_unknown_or_bad_settings_are_errors(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ def test_rank_keys() -> None:
 
 
 def test_store_dir_is_a_store_root(tmp_path: Path) -> None:
-    from kvstrata.cli.stores import layout_dir_name
+    from kvstrata.store.roots import layout_dir_name
     from kvstrata.layout import KVLayout
     from kvstrata.store import KVStore
 

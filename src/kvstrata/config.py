@@ -1,19 +1,27 @@
-"""Configuration of the store: frozen dataclasses, validated on construction."""
+"""Configuration of the store: frozen dataclasses, validated on construction, and read from a
+mapping (a JSON or TOML object: the vLLM connector's settings) by :meth:`StoreConfig.from_mapping`.
+
+This module imports neither torch nor redis (``tests/test_layers.py`` checks it): a process that
+only reads settings stays light."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import re
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.store.tiers.remote import RemoteConfig
+from kvstrata.tiering import RemoteConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -190,6 +198,15 @@ class StoreConfig:
             raise ConfigError("writer_bandwidth_bytes_per_s must be positive or None")
         object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
 
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, object], where: str = "") -> StoreConfig:
+        """A StoreConfig from an object whose keys are its field names; missing keys keep their
+        defaults, unknown ones are an error. Sizes are bytes or strings with a unit (``"512MiB"``),
+        ``ladder`` what :meth:`CodecLadder.parse` reads, ``remote`` an object of
+        :class:`RemoteConfig`'s fields, ``encryption_key`` 64 hex characters, ``namespace_quotas``
+        an object of namespace -> ``{"l1_bytes": .., "l2_bytes": .., "l3_bytes": ..}``."""
+        return _from_mapping(cls, data, where, _STORE_PARSERS)
+
 
 @dataclass(frozen=True, slots=True)
 class GcConfig:
@@ -211,3 +228,99 @@ class GcConfig:
             raise ConfigError("gc ages must be >= 0")
         if self.compact_hole_fraction is not None and not 0.0 < self.compact_hole_fraction <= 1.0:
             raise ConfigError(f"compact_hole_fraction must be in (0, 1], got {self.compact_hole_fraction}")
+
+
+# ---- reading a config dataclass from a mapping -------------------------------------------------
+
+Parser = Callable[[Any, str], Any]
+
+
+def _from_mapping(cls: type, data: object, where: str, parsers: Mapping[str, Parser]) -> Any:
+    """``cls(**data)`` with each value checked against its field's type (or read by ``parsers``)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__} must be an object, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"{where or cls.__name__}: unknown keys {', '.join(map(str, unknown))}; known: {', '.join(names)}"
+        )
+    values = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else name
+        values[name] = (parsers.get(name) or _typed(hints[name]))(value, path)
+    return cls(**values)
+
+
+def _typed(hint: Any) -> Parser:
+    """A parser that accepts a value of ``hint`` (bool, int, float, str, an enum, or X | None)."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        parse = _typed(inner)
+        return lambda value, name: None if value is None else parse(value, name)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return lambda value, name: _enum(hint, value, name)
+    checks: dict[Any, tuple[tuple[type, ...], str]] = {
+        bool: ((bool,), "true or false"),
+        int: ((int,), "an integer"),
+        float: ((int, float), "a number"),
+        str: ((str,), "a string"),
+    }
+    if hint not in checks:
+        raise TypeError(f"no parser for a field of type {hint!r}")
+    accepted, what = checks[hint]
+
+    def parse(value: Any, name: str) -> Any:
+        if not isinstance(value, accepted) or (hint is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{name} must be {what}, got {value!r}")
+        return float(value) if hint is float else value
+
+    return parse
+
+
+def _enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(
+            f"{name} must be one of {', '.join(str(m.value) for m in kind)}, got {value!r}"
+        ) from None
+
+
+def _optional_size(value: object, name: str) -> int | None:
+    return None if value is None else parse_size(value, name)
+
+
+def _encryption_key(value: object, name: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return bytes.fromhex(str(value))
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be 64 hex characters") from exc
+
+
+def _remote(value: object, name: str) -> RemoteConfig | None:
+    return None if value is None else _from_mapping(RemoteConfig, value, name, {})
+
+
+def _quotas(value: object, name: str) -> dict[str, NamespaceQuota]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(q, Mapping) for q in value.values()):
+        raise ConfigError(f"{name} must be an object of namespace -> quota, got {value!r}")
+    return {str(ns): NamespaceQuota.from_mapping(q, f"{name}.{ns}") for ns, q in value.items()}
+
+
+_STORE_PARSERS: dict[str, Parser] = {
+    "l1_budget_bytes": parse_size,
+    "l2_budget_bytes": parse_size,
+    "l3_budget_bytes": _optional_size,
+    "writer_queue_bytes": parse_size,
+    "ladder": CodecLadder.parse,
+    "encryption_key": _encryption_key,
+    "remote": _remote,
+    "namespace_quotas": _quotas,
+}

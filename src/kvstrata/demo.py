@@ -72,11 +72,11 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     from kvstrata import KVStore, StoreConfig
-    from kvstrata.cli.stores import store_for_layout
     from kvstrata.config import MiB, encryption_key_from_env
     from kvstrata.engine import Engine
     from kvstrata.integrations.transformers.model import load_model
-    from kvstrata.store.tiers.remote import RemoteConfig
+    from kvstrata.store.roots import store_for_layout
+    from kvstrata.tiering import RemoteConfig
 
     torch.manual_seed(0)
     loaded = load_model(args.model, attn_implementation="sdpa", progress=not args.quiet)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import numpy as np
 
 from kvstrata.errors import ConfigError
-from kvstrata.layout import KVLayout
+
+if TYPE_CHECKING:  # keys are computed from a layout's fingerprint; the layout module loads torch
+    from kvstrata.layout import KVLayout
 
 BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 32

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvstrata.errors import KVStrataError
-from kvstrata.store.tiers.remote import RemoteConfig
+from kvstrata.tiering import RemoteConfig
 
 # Wide enough that no table of ours is cut: a pipe or a log file gets every cell whole.
 PIPE_WIDTH = 1000

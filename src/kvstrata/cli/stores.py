@@ -1,4 +1,6 @@
-"""What ``--store DIR`` means, for every command: a store root holding one store per model layout.
+"""What ``--store DIR`` means, for every command: a store root holding one store per model layout
+(the paths: :mod:`kvstrata.store.roots`; here what the commands add: one-line failures, read-only
+opens, the choice of one store among several).
 
 A store serves one KV layout (layers, KV heads, head dim, dtype, block size), so the commands that
 load a model (``chat``, ``serve``, ``demo``) keep its store in ``DIR/<layout>/``, where ``<layout>``
@@ -20,42 +22,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.cli.common import fail
-from kvstrata.config import StoreConfig, default_store_dir, encryption_key_from_env
+from kvstrata.config import StoreConfig, encryption_key_from_env
 from kvstrata.errors import KVStrataError
 from kvstrata.layout import KVLayout
-from kvstrata.store import KVStore
+from kvstrata.store import KVStore, roots
+from kvstrata.store.roots import store_for_layout, store_root
 
-INDEX_FILE = "index.sqlite"
-LAYOUT_DIR_CHARS = 12
-
-
-def store_root(store: Path | None) -> Path:
-    return (store or default_store_dir()).expanduser()
-
-
-def is_store(path: Path) -> bool:
-    return (path / INDEX_FILE).is_file()
-
-
-def layout_dir_name(layout: KVLayout) -> str:
-    return layout.fingerprint.hex()[:LAYOUT_DIR_CHARS]
-
-
-def store_for_layout(root: Path, layout: KVLayout) -> Path:
-    """Where a model of ``layout`` keeps its store under ``root``."""
-    return root if is_store(root) else root / layout_dir_name(layout)
+__all__ = [
+    "StoreRef",
+    "check_writable_root",
+    "find_stores",
+    "one_store",
+    "open_store",
+    "store_for_layout",
+    "store_root",
+    "stores_under",
+]
 
 
 def find_stores(root: Path) -> list[Path]:
-    """The stores under ``root``: ``root`` itself if it is one, else its subdirectories that are."""
-    if is_store(root):
-        return [root]
-    if not root.is_dir():
-        return []
+    """The stores under ``root`` (:func:`kvstrata.store.roots.find_stores`); one line if unreadable."""
     try:
-        return sorted(child for child in root.iterdir() if child.is_dir() and is_store(child))
-    except OSError as exc:
-        fail(f"cannot read the store directory {root}: {exc.strerror or exc}")
+        return roots.find_stores(root)
+    except KVStrataError as exc:
+        fail(str(exc))
 
 
 def check_writable_root(root: Path) -> None:

@@ -55,6 +55,17 @@ def get_codec(name: str | CodecId, **options: object) -> Codec:
     raise ConfigError(f"unknown codec {name!r}; known: {', '.join(codec_names())}")
 
 
+def loss_rank(codec: str | CodecId | int) -> int:
+    """The ``loss_rank`` of a codec given by name (``"int8"``) or id (as a record carries it)."""
+    if isinstance(codec, str):
+        return get_codec(codec).loss_rank
+    try:
+        cls = _REGISTRY[CodecId(codec)]
+    except (ValueError, KeyError):
+        raise CorruptBlockError(f"block record names unknown codec id {int(codec)}") from None
+    return int(cls.loss_rank)
+
+
 def decode_into(block: EncodedBlock, layout: KVLayout, dest: torch.Tensor) -> None:
     """Decode ``block`` into ``dest`` (a view shaped like the block, on any device): codecs that
     can write there directly do (identity: one copy); the others decode, then copy."""
@@ -96,5 +107,6 @@ __all__ = [
     "decode",
     "decode_into",
     "get_codec",
+    "loss_rank",
     "register",
 ]

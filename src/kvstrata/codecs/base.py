@@ -66,6 +66,11 @@ class Codec(Protocol):
     codec_id: ClassVar[CodecId]
     name: ClassVar[str]
     lossless: ClassVar[bool]
+    loss_rank: ClassVar[int]
+    """How much the codec loses: 0 exact, higher is lossier (fp16/bf16 1, int8 2, KIVI 4-bit 3,
+    KIVI 2-bit 4, sparse and naive int4 5). A session attends only to stored blocks no lossier than
+    its class allows (``CodecLadder.max_loss_rank``); a block is never re-encoded to a codec of a
+    lower or equal rank."""
 
     def encode(self, kv: torch.Tensor, ctx: BlockContext = ...) -> EncodedBlock: ...
 

@@ -48,6 +48,7 @@ _TOKEN_AXIS = 3
 class DeltaCodec:
     codec_id: ClassVar[CodecId] = CodecId.DELTA
     name: ClassVar[str] = "delta"
+    loss_rank: ClassVar[int] = 0
     lossless: ClassVar[bool] = True
 
     level: int = 3

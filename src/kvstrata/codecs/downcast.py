@@ -72,6 +72,7 @@ class _DowncastCodec:
 class Fp16Codec(_DowncastCodec):
     codec_id: ClassVar[CodecId] = CodecId.FP16
     name: ClassVar[str] = "fp16"
+    loss_rank: ClassVar[int] = 1
     target: ClassVar[torch.dtype] = torch.float16
     record: ClassVar[ParamsRecord] = ParamsRecord("fp16", 1, "BB")
 
@@ -80,5 +81,6 @@ class Fp16Codec(_DowncastCodec):
 class Bf16Codec(_DowncastCodec):
     codec_id: ClassVar[CodecId] = CodecId.BF16
     name: ClassVar[str] = "bf16"
+    loss_rank: ClassVar[int] = 1
     target: ClassVar[torch.dtype] = torch.bfloat16
     record: ClassVar[ParamsRecord] = ParamsRecord("bf16", 1, "BB")

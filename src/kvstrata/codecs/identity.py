@@ -24,6 +24,7 @@ from kvstrata.transfer import copy_bytes
 class IdentityCodec:
     codec_id: ClassVar[CodecId] = CodecId.IDENTITY
     name: ClassVar[str] = "identity"
+    loss_rank: ClassVar[int] = 0
     lossless: ClassVar[bool] = True
 
     def encode(self, kv: torch.Tensor, ctx: BlockContext = DEFAULT_CONTEXT) -> EncodedBlock:

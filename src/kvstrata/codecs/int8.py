@@ -49,6 +49,7 @@ _PARAMS = ParamsRecord("int8", 1, "BH")
 class Int8Codec:
     codec_id: ClassVar[CodecId] = CodecId.INT8
     name: ClassVar[str] = "int8"
+    loss_rank: ClassVar[int] = 2
     lossless: ClassVar[bool] = False
 
     group_size: int = 64

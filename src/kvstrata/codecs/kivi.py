@@ -165,6 +165,7 @@ class _KiviCodec:
 class Kivi4Codec(_KiviCodec):
     codec_id: ClassVar[CodecId] = CodecId.KIVI4
     name: ClassVar[str] = "kivi4"
+    loss_rank: ClassVar[int] = 3
     bits: ClassVar[int] = 4
     record: ClassVar[ParamsRecord] = ParamsRecord("kivi4", _PARAMS_VERSION, _PARAMS_FIELDS)
 
@@ -173,5 +174,6 @@ class Kivi4Codec(_KiviCodec):
 class Kivi2Codec(_KiviCodec):
     codec_id: ClassVar[CodecId] = CodecId.KIVI2
     name: ClassVar[str] = "kivi2"
+    loss_rank: ClassVar[int] = 4
     bits: ClassVar[int] = 2
     record: ClassVar[ParamsRecord] = ParamsRecord("kivi2", _PARAMS_VERSION, _PARAMS_FIELDS)

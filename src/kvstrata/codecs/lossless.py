@@ -48,6 +48,7 @@ _PARAMS = ParamsRecord("lossless", 1, "BB")
 class LosslessCodec:
     codec_id: ClassVar[CodecId] = CodecId.LOSSLESS
     name: ClassVar[str] = "lossless"
+    loss_rank: ClassVar[int] = 0
     lossless: ClassVar[bool] = True
 
     backend: str = "zstd"

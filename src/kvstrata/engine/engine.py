@@ -55,9 +55,9 @@ StreamCallback = Callable[[str], None]
 
 # the store worker's order: a realtime request's restore first (its time to first token), then
 # commits (they resolve requests and free their sessions) and interactive restores in arrival
-# order (neither waits behind a stream of the other), then background restores
-_OPEN_RANK = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
-_COMMIT_RANK = 1
+# order (neither waits behind a stream of the other), then background restores: a restore goes at
+# its class's rank (Priority.rank), a commit at the interactive one
+_COMMIT_RANK = Priority.INTERACTIVE.rank
 
 DEFAULT_MAX_BATCH = 16
 
@@ -325,7 +325,7 @@ class Engine:
 
     def _start_open(self, inflight: InFlight) -> None:
         inflight.state = RowState.OPENING
-        self._worker.submit(_OPEN_RANK[inflight.request.priority], lambda: self._open(inflight))  # type: ignore[index]
+        self._worker.submit(Priority(inflight.request.priority).rank, lambda: self._open(inflight))
 
     def _take_row(self, inflight: InFlight) -> tuple[BatchRow, list[int]] | None:
         """The step thread admits the request: its row once restored (None until then)."""

@@ -15,31 +15,15 @@ session that uses it allows: ``max_loss_rank`` says what a priority class accept
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvstrata.codecs import CodecId, get_codec
 from kvstrata.errors import ConfigError
 from kvstrata.priority import Priority
-from kvstrata.store.tiers.base import TierLevel
+from kvstrata.tiering import TierLevel
 
-# How much a codec loses: 0 exact, higher is lossier. Decides which stored blocks a session may use.
-LOSS_RANK: dict[CodecId, int] = {
-    CodecId.IDENTITY: 0,
-    CodecId.LOSSLESS: 0,
-    CodecId.DELTA: 0,
-    CodecId.FP16: 1,
-    CodecId.BF16: 1,
-    CodecId.INT8: 2,
-    CodecId.KIVI4: 3,
-    CodecId.KIVI2: 4,
-    CodecId.SPARSE: 5,
-    CodecId.NAIVE_INT4: 5,
-}
-
-
-def loss_rank(codec: CodecId | int | str) -> int:
-    codec_id = get_codec(codec).codec_id if isinstance(codec, str) else CodecId(codec)
-    return LOSS_RANK[codec_id]
+# The codecs are imported where they are used: they load torch, and the store's configuration
+# (which holds a ladder) must import without it.
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +41,8 @@ class CodecLadder:
     recent_blocks: int = 1
 
     def __post_init__(self) -> None:
+        from kvstrata.codecs import get_codec
+
         for rung in (self.realtime, self.interactive, self.background):
             get_codec(rung.l2)
             get_codec(rung.l3)
@@ -68,6 +54,42 @@ class CodecLadder:
     def exact(cls) -> CodecLadder:
         """Identity everywhere: bit-exact resumes for every class."""
         return cls(Rung(), Rung(), Rung(), "identity", 0)
+
+    @classmethod
+    def parse(cls, value: object, where: str = "ladder") -> CodecLadder:
+        """``"default"``, ``"exact"``, or an object ``{"realtime": {"l2": .., "l3": ..},
+        "interactive": .., "background": .., "archived": "kivi2", "recent_blocks": 1}`` (a class
+        given one codec name uses it in both tiers; missing keys keep their defaults)."""
+        if value is None or value == "default":
+            return cls()
+        if value == "exact":
+            return cls.exact()
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be 'default', 'exact' or an object, got {value!r}")
+        unknown = set(value) - {"realtime", "interactive", "background", "archived", "recent_blocks"}
+        if unknown:
+            raise ConfigError(f"unknown {where} keys: {', '.join(sorted(unknown))}")
+        base = cls()
+        rungs: dict[str, Rung] = {}
+        for priority in Priority:
+            spec, default = value.get(priority.value), base.rung(priority)
+            if spec is None:
+                rungs[priority.value] = default
+            elif isinstance(spec, str):
+                rungs[priority.value] = Rung(spec, spec)
+            elif isinstance(spec, Mapping) and set(spec) <= {"l2", "l3"}:
+                rungs[priority.value] = Rung(spec.get("l2", default.l2), spec.get("l3", default.l3))
+            else:
+                raise ConfigError(
+                    f"{where}.{priority.value} must be a codec name or {{'l2': .., 'l3': ..}}, got {spec!r}"
+                )
+        recent = value.get("recent_blocks", base.recent_blocks)
+        if not isinstance(recent, int) or isinstance(recent, bool):
+            raise ConfigError(f"{where}.recent_blocks must be an integer, got {recent!r}")
+        archived = value.get("archived", base.archived)
+        if not isinstance(archived, str):
+            raise ConfigError(f"{where}.archived must be a codec name, got {archived!r}")
+        return cls(rungs["realtime"], rungs["interactive"], rungs["background"], archived, recent)
 
     def rung(self, priority: Priority) -> Rung:
         return {
@@ -85,6 +107,8 @@ class CodecLadder:
     def max_loss_rank(self, priority: Priority) -> int:
         """The lossiest stored block a session of this class may attend to: what its own ladder
         produces, the archive codec included for the classes that get archived."""
+        from kvstrata.codecs import loss_rank
+
         rung = self.rung(priority)
         archive = self.archive_codec(priority, pinned=False)
         return max(loss_rank(rung.l2), loss_rank(rung.l3), loss_rank(archive) if archive else 0)

@@ -27,11 +27,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvstrata.codecs import CodecId, get_codec
+from kvstrata.codecs import get_codec, loss_rank
 from kvstrata.config import GcConfig
 from kvstrata.errors import KVStrataError, SessionBusyError, StoreBusyError
 from kvstrata.keys import KEY_BYTES, BlockKey
-from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store import KVStore
 from kvstrata.store.compaction import compact_segments
@@ -219,7 +218,7 @@ def _archive(store: KVStore, key: BlockKey, codec: int, priority: Priority, pinn
     if name is None:
         return 0
     target = get_codec(name)
-    if LOSS_RANK[CodecId(codec)] >= LOSS_RANK[target.codec_id]:
+    if loss_rank(codec) >= target.loss_rank:
         return 0
     try:
         block = store.disk.get(key)

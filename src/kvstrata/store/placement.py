@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvstrata import codecs
-from kvstrata.codecs import Codec, CodecId
+from kvstrata.codecs import Codec, loss_rank
 from kvstrata.config import StoreConfig, WritePolicy
 from kvstrata.errors import (
     KVStrataError,
@@ -36,7 +36,6 @@ from kvstrata.errors import (
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.policy import get_scorer
-from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
@@ -112,20 +111,20 @@ class TieredStore:
         """``block`` encoded as the ladder wants for ``level``; an encoding already at least as
         lossy is kept (re-encoding cannot regain precision, it would only cost time)."""
         codec = self.codec(self.target_codec(block.key, level))
-        if block.encoded is not None and LOSS_RANK[block.encoded.codec] >= LOSS_RANK[codec.codec_id]:
+        if block.encoded is not None and loss_rank(block.encoded.codec) >= codec.loss_rank:
             return block
         return block.reencoded(codec, self.layout)
 
     def stored_loss(self, key: BlockKey, *, absent_from_disk: bool = False) -> int | None:
         """Loss rank of the best copy held anywhere (0 = exact); None when absent.
         ``absent_from_disk``: the caller just asked the index, L3 does not hold it."""
-        ranks = [LOSS_RANK[CodecId(c)] for t in self.memory_tiers if (c := t.codec_of(key)) is not None]
+        ranks = [loss_rank(c) for t in self.memory_tiers if (c := t.codec_of(key)) is not None]
         pending = self.disk_writer.pending(key)
         if pending is not None and pending.encoded is not None:
-            ranks.append(LOSS_RANK[pending.encoded.codec])
+            ranks.append(loss_rank(pending.encoded.codec))
         on_disk = None if absent_from_disk else self.disk.codec_of(key)
         if on_disk is not None:
-            ranks.append(LOSS_RANK[CodecId(on_disk)])
+            ranks.append(loss_rank(on_disk))
         return min(ranks) if ranks else None
 
     def absent_from_disk(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
@@ -181,7 +180,7 @@ class TieredStore:
     ) -> tuple[KVBlock, TierLevel] | None:
         """The block and the tier it was found in, promoting it per config; ``None`` on a miss.
 
-        A copy lossier than ``max_loss`` (see ``policy.ladder.LOSS_RANK``) is not returned: the
+        A copy lossier than ``max_loss`` (see ``kvstrata.codecs.loss_rank``) is not returned: the
         caller recomputes those tokens and its exact KV then replaces the lossy copy. Reads for
         an agent that is not ``scheduled`` (a hint) do not promote a block still in its dwell
         time after a demotion: that is what keeps blocks from bouncing between tiers.
@@ -195,7 +194,7 @@ class TieredStore:
     def acceptable(self, block: KVBlock, max_loss: int | None) -> bool:
         if max_loss is None or block.encoded is None or block.tensor is not None:
             return True
-        if LOSS_RANK[block.encoded.codec] <= max_loss:
+        if loss_rank(block.encoded.codec) <= max_loss:
             return True
         self.counters.rejected_lossy += 1
         return False
@@ -398,7 +397,7 @@ class TieredStore:
         on_disk = self.disk.codec_of(key)
         if on_disk is not None:
             codecs_held.append(on_disk)
-        return min(codecs_held, key=lambda c: LOSS_RANK[CodecId(c)]) if codecs_held else None
+        return min(codecs_held, key=loss_rank) if codecs_held else None
 
     def keys(self) -> Iterator[BlockKey]:
         seen: dict[BlockKey, None] = {}

@@ -13,10 +13,9 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvstrata.codecs import Codec, CodecId
+from kvstrata.codecs import Codec, loss_rank
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
-from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
@@ -48,7 +47,7 @@ class ReEncoder:
                 pending = tiered.disk_writer.pending(key)
                 if pending is not None and pending.encoded is not None:
                     current = pending.encoded.codec
-                if current is None or LOSS_RANK[CodecId(current)] >= LOSS_RANK[target.codec_id]:
+                if current is None or loss_rank(current) >= target.loss_rank:
                     continue
                 source = tiered.device_block(key) or pending
                 if source is not None and source.tensor is not None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from kvstrata.codecs import loss_rank
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
-from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS, StoreCounters
 from kvstrata.store.tiers.remote import RedisTier
@@ -90,7 +90,7 @@ class RemoteMirror:
             block is not None
             and max_loss is not None
             and block.encoded is not None
-            and LOSS_RANK[block.encoded.codec] > max_loss
+            and loss_rank(block.encoded.codec) > max_loss
         ):
             self.counters.rejected_lossy += 1
             return None

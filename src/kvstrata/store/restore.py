@@ -34,10 +34,9 @@ import numpy as np
 import torch
 
 from kvstrata import codecs
-from kvstrata.codecs import CodecId, EncodedBlock
+from kvstrata.codecs import CodecId, EncodedBlock, loss_rank
 from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
-from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
@@ -415,7 +414,7 @@ class Restorer:
         on_disk = tiered.disk.codec_of(key)
         if on_disk is None:
             return None
-        if max_loss is not None and LOSS_RANK[CodecId(on_disk)] > max_loss:
+        if max_loss is not None and loss_rank(on_disk) > max_loss:
             tiered.counters.rejected_lossy += 1
             return None
         read = getattr(tiered.disk, "read_verified", None)
@@ -431,7 +430,7 @@ class Restorer:
         header, encoded, data = found
         if buffered:
             self._local.buffer = data.obj  # this thread's buffer, grown if the file needed it
-        if max_loss is not None and LOSS_RANK[encoded.codec] > max_loss:
+        if max_loss is not None and loss_rank(encoded.codec) > max_loss:
             tiered.counters.rejected_lossy += 1
             return None
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)

@@ -39,10 +39,9 @@ import crc32c
 import numpy as np
 import torch
 
-from kvstrata.codecs import CodecId
+from kvstrata.codecs import CodecId, loss_rank
 from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
-from kvstrata.policy.ladder import LOSS_RANK
 from kvstrata.priority import Priority
 from kvstrata.store._native_crc import LIBRARY
 from kvstrata.store.block import KVBlock
@@ -117,7 +116,7 @@ class SegmentStream:
             if (
                 placement is not None
                 and placement.in_segment
-                and (max_loss is None or LOSS_RANK[CodecId(placement.codec)] <= max_loss)
+                and (max_loss is None or loss_rank(placement.codec) <= max_loss)
             ):
                 extents.append(Extent(i, keys[i], placement))
         return extents if len(extents) >= 2 else []

@@ -45,8 +45,6 @@ from dataclasses import dataclass, field
 from kvstrata.errors import ConfigError
 from kvstrata.priority import Priority
 
-_CLASS_RANK: dict[Priority, int] = {Priority.REALTIME: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2}
-
 
 class Phase(enum.StrEnum):
     PREFILL = "prefill"
@@ -193,7 +191,7 @@ class StepScheduler:
         chosen = [e for e in queued if e.priority is Priority.REALTIME]
         rest = sorted(
             (e for e in queued if e.priority is not Priority.REALTIME),
-            key=lambda e: (not self._starving(e), _CLASS_RANK[e.priority], e.order),
+            key=lambda e: (not self._starving(e), e.priority.rank, e.order),
         )
         chosen += rest[: max(0, room - len(chosen))]
         return [e.request_id for e in sorted(chosen, key=lambda e: e.order)]

@@ -9,40 +9,14 @@ place by demoting and retrying.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
+from kvstrata.tiering import TierLevel, TierUsage
 
-
-class TierLevel(enum.IntEnum):
-    L1 = 1
-    L2 = 2
-    L3 = 3
-    L4 = 4
-
-
-@dataclass(frozen=True, slots=True)
-class TierUsage:
-    blocks: int
-    used_bytes: int
-    """Bytes the tier's accounting charges (slots in use for pooled tiers)."""
-    stored_bytes: int
-    """Bytes of the blocks themselves; ``used_bytes - stored_bytes`` is internal fragmentation."""
-    budget_bytes: int | None
-
-    @property
-    def fill(self) -> float:
-        if not self.budget_bytes:
-            return 0.0
-        return self.used_bytes / self.budget_bytes
-
-    @property
-    def fragmentation_bytes(self) -> int:
-        return self.used_bytes - self.stored_bytes
+__all__ = ["Tier", "TierLevel", "TierUsage"]
 
 
 @runtime_checkable

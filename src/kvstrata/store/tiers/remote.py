@@ -24,7 +24,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -34,13 +33,13 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvstrata.crypto import Keyring
-from kvstrata.errors import ConfigError, CorruptBlockError, SessionConflictError, TierUnavailableError
+from kvstrata.errors import CorruptBlockError, SessionConflictError, TierUnavailableError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.store.block import KVBlock
 from kvstrata.store.kvbin import HEADER_BYTES, decode_record, encode_record, parse_header
-from kvstrata.store.tiers.base import TierLevel, TierUsage
 from kvstrata.store.tiers.breaker import CircuitBreaker
+from kvstrata.tiering import RemoteConfig, TierLevel, TierUsage, cluster_seeds, redact_url, split_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,69 +59,6 @@ redis.call('HSET', KEYS[1], 'version', version, 'data', ARGV[2])
 if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
 return version
 """
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteConfig:
-    url: str
-    """``redis://host:port`` (or ``rediss://``, ``unix://``); for a cluster, one or more seed nodes:
-    ``redis://host1:7000,host2:7000`` (any one reachable node is enough to find the others)."""
-    cluster: bool = False
-    prefix: str = "kvstrata"
-    ttl_s: int | None = None
-    timeout_s: float = 0.25
-    failures_to_open: int = 3
-    reset_after_s: float = 0.5
-    """While the breaker is open, a background probe checks Redis this often and closes the
-    breaker as soon as Redis (every master of a cluster) answers; requests never wait for it."""
-    write_through: bool = False
-    """False (default): blocks are written behind L3, off the request path; True: on every put."""
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"remote URL must start with redis://, rediss:// or unix://, got {self.url!r}")
-        if self.ttl_s is not None and self.ttl_s <= 0:
-            raise ConfigError("remote ttl_s must be positive")
-        if self.timeout_s <= 0 or self.failures_to_open <= 0 or self.reset_after_s <= 0:
-            raise ConfigError("remote timeout_s, failures_to_open and reset_after_s must be positive")
-        seeds = cluster_seeds(self.url)
-        if len(seeds) > 1 and not self.cluster:
-            raise ConfigError(
-                f"several hosts in a remote URL need cluster=True (--remote-cluster): {self.url!r}"
-            )
-        if self.cluster and self.url.startswith("unix://"):
-            raise ConfigError("a Redis Cluster cannot be reached over a unix:// socket")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (it ends up in logs and error messages)."""
-    scheme, userinfo, hosts, tail = _split_url(url)
-    user, colon, _ = userinfo.rstrip("@").partition(":")
-    return f"{scheme}://{user}{colon and ':***'}{'@' if userinfo else ''}{','.join(hosts)}{tail}"
-
-
-def _split_url(url: str) -> tuple[str, str, list[str], str]:
-    """``scheme://user@h1:p1,h2:p2/0?x=y`` -> (scheme, "user@", [h1:p1, h2:p2], "/0?x=y")."""
-    scheme, _, rest = url.partition("://")
-    end = min((k for k in (rest.find("/"), rest.find("?")) if k >= 0), default=len(rest))
-    netloc, tail = rest[:end], rest[end:]
-    userinfo, at, hosts = netloc.rpartition("@")
-    return scheme, userinfo + at, hosts.split(","), tail
-
-
-def cluster_seeds(url: str) -> list[tuple[str, int]]:
-    """The (host, port) seed nodes a ``redis://`` URL names (one for a plain URL)."""
-    if url.startswith("unix://"):
-        return []
-    seeds = []
-    for hostport in _split_url(url)[2]:
-        host, colon, port = hostport.rpartition(":")
-        if not colon or host.endswith(":"):  # no port, or a bare IPv6 address
-            host, port = hostport, "6379"
-        if not port.isdigit():
-            raise ConfigError(f"remote URL {url!r}: {hostport!r} is not host:port")
-        seeds.append((host.strip("[]") or "localhost", int(port)))
-    return seeds
 
 
 class RedisTier:
@@ -154,7 +90,7 @@ class RedisTier:
         if not self.config.cluster:
             # no client-side retries: a failing Redis costs one short timeout, then the breaker
             return redis.Redis.from_url(self.config.url, retry=Retry(NoBackoff(), 0), **options)
-        scheme, userinfo, hosts, tail = _split_url(self.config.url)
+        scheme, userinfo, hosts, tail = split_url(self.config.url)
         return redis.cluster.RedisCluster(
             url=f"{scheme}://{userinfo}{hosts[0]}{tail}",
             startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster_seeds(self.config.url)[1:]],
