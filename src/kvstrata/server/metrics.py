@@ -1,23 +1,35 @@
 """Prometheus metrics, in a registry per app.
 
-Store figures (bytes and blocks per tier, bytes per codec, the tiered store's counters) and the
-batch's (waiting and running requests, preemptions per class) are read at scrape time by
-collectors, so they are never stale and the request path does no bookkeeping for them; request
-figures (in flight, time to first token, inter-token latency, tokens, per priority class) are
-recorded as requests end, and each step's batch size and duration as it runs.
+Store figures (bytes, blocks and fragmentation per tier, bytes per codec, the tiered store's
+counters, the latency histograms of its operations: a block's load and save per tier, a
+session's restore by the deepest tier that served it, a checkpoint) and the batch's (waiting and
+running requests, preemptions per class) are read at scrape time by collectors, so they are never
+stale and the request path does no bookkeeping for them; request figures (in flight, time to
+first token, inter-token latency, tokens, per priority class) are recorded as requests end, and
+each step's batch size and duration as it runs. The process itself: prometheus-client's process
+collector (``process_resident_memory_bytes``, ``process_open_fds``, ``process_cpu_seconds_total``,
+...), its threads, and device memory when the store runs on a GPU.
 ``docs/grafana/kvstrata.json`` is a Grafana dashboard over these metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvstrata.priority import Priority
+from kvstrata.store.latency import BUCKETS_S, HistogramSnapshot
 
 if TYPE_CHECKING:
     from kvstrata.engine import Engine, Response, StepReport
@@ -39,14 +51,20 @@ class StoreCollector(Collector):
         by_codec = GaugeMetricFamily(
             "kvstrata_codec_bytes", "Bytes stored per tier and codec.", labels=["tier", "codec"]
         )
+        fragmentation = GaugeMetricFamily(
+            "kvstrata_tier_fragmentation_bytes",
+            "Bytes a tier takes beyond its blocks' own: slot slack in memory, holes in L3's segment files.",
+            labels=["tier"],
+        )
         for tier in self.store.stats().tiers:
             blocks.add_metric([tier.tier], tier.blocks)
             used.add_metric([tier.tier], tier.used_bytes)
+            fragmentation.add_metric([tier.tier], tier.fragmentation_bytes)
             if tier.budget_bytes is not None:
                 budget.add_metric([tier.tier], tier.budget_bytes)
             for codec, nbytes in tier.bytes_by_codec.items():
                 by_codec.add_metric([tier.tier, codec], nbytes)
-        yield from (blocks, used, budget, by_codec)
+        yield from (blocks, used, budget, by_codec, fragmentation)
 
         counters = self.store.counters
         families = {
@@ -57,22 +75,32 @@ class StoreCollector(Collector):
             for name, family in families.items():
                 family.add_metric([level.name], getattr(tier_counters, name))
         yield from families.values()
-        load = SummaryMetricFamily(
+        load = HistogramMetricFamily(
             "kvstrata_tier_load_seconds",
-            "Time to serve blocks from each tier (count = hits).",
+            "Time to serve one block from each tier (read, verify, decode, promote).",
+            labels=["tier"],
+        )
+        save = HistogramMetricFamily(
+            "kvstrata_tier_save_seconds",
+            "Time to write one block into each tier in the background (L3: sealed, written, synced).",
             labels=["tier"],
         )
         for level, tier_counters in counters.tiers.items():
-            load.add_metric(
-                [level.name], count_value=tier_counters.hits, sum_value=tier_counters.load_seconds
-            )
-        yield load
-        yield SummaryMetricFamily(
-            "kvstrata_checkpoint_seconds",
-            "Session checkpoints (blocks made durable, then the index row committed).",
-            count_value=self.store.checkpoints,
-            sum_value=self.store.checkpoint_seconds,
+            _add_histogram(load, [level.name], tier_counters.load.snapshot())
+            _add_histogram(save, [level.name], tier_counters.save.snapshot())
+        restore = HistogramMetricFamily(
+            "kvstrata_restore_seconds",
+            "Time to load a session's (or a shared prefix's) KV, by the deepest tier that served it.",
+            labels=["tier"],
         )
+        for deepest, histogram in counters.restore.items():
+            _add_histogram(restore, [deepest.name if deepest is not None else "none"], histogram.snapshot())
+        checkpoint = HistogramMetricFamily(
+            "kvstrata_checkpoint_seconds",
+            "Session checkpoints (blocks made durable in L3, then the index row committed).",
+        )
+        _add_histogram(checkpoint, [], counters.checkpoint.snapshot())
+        yield from (load, save, restore, checkpoint)
         yield GaugeMetricFamily(
             "kvstrata_recovery_seconds",
             "Time the store took to open (recover) at start.",
@@ -98,6 +126,73 @@ class StoreCollector(Collector):
         for (namespace, level), nbytes in sorted(self.store.namespace_usage().items()):
             per_namespace.add_metric([namespace, level.name], nbytes)
         yield per_namespace
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], snapshot: HistogramSnapshot) -> None:
+    buckets = [(_le(bound), n) for bound, n in zip(BUCKETS_S, snapshot.cumulative, strict=True)]
+    family.add_metric(labels, [*buckets, ("+Inf", snapshot.count)], snapshot.sum_s)
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class ThreadsCollector(Collector):
+    """The process's threads, native ones included (torch's, the store's writers): what
+    prometheus-client's process collector leaves out."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvstrata_process_threads", "Threads of the process.", value=process_threads()
+        )
+
+
+def process_threads() -> int:
+    """Threads of this process: /proc's count (native threads too), else Python's."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return threading.active_count()
+
+
+DeviceMemory = Callable[[], dict[str, int]]
+"""Reads a GPU's memory: bytes by kind (allocated, reserved, free, total)."""
+
+
+class DeviceMemoryCollector(Collector):
+    """Memory of the GPU the store's L1 lives on (registered only when the store runs on one)."""
+
+    def __init__(self, device: str, read: DeviceMemory) -> None:
+        self.device = device
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvstrata_device_memory_bytes",
+            "GPU memory: allocated and reserved by torch in this process, free and total on the device.",
+            labels=["device", "kind"],
+        )
+        for kind, nbytes in self.read().items():
+            family.add_metric([self.device, kind], nbytes)
+        yield family
+
+
+def cuda_memory(device: str) -> DeviceMemory:
+    import torch
+
+    def read() -> dict[str, int]:
+        free, total = torch.cuda.mem_get_info(device)
+        return {
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "free": free,
+            "total": total,
+        }
+
+    return read
 
 
 class BatchCollector(Collector):
@@ -142,6 +237,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(StoreCollector(engine.store))
         self.registry.register(BatchCollector(engine))
+        ProcessCollector(registry=self.registry)
+        self.registry.register(ThreadsCollector())
+        device = str(engine.store.config.device)
+        if device.startswith("cuda"):
+            self.registry.register(DeviceMemoryCollector(device, cuda_memory(device)))
         self.in_flight = Gauge(
             "kvstrata_requests_in_flight",
             "HTTP generation requests being served, per priority class.",

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, KVStrataError, LayoutMismatchError
+from kvstrata.store.latency import LatencyHistogram
 from kvstrata.store.tiers.base import TierLevel
 
 
@@ -24,6 +25,11 @@ class TierCounters:
     """Blocks removed for good (not moved down) to make room: only the bottom tier evicts."""
     load_seconds: float = 0.0
     """Time spent serving this tier's hits (read, verify, decode, promote)."""
+    load: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """Each block served from this tier: its share of the time its read took."""
+    save: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """Each block written to this tier by the background writers (L3, L4): its share of its
+    group commit's time."""
 
 
 @dataclass(slots=True)
@@ -38,6 +44,28 @@ class StoreCounters:
     reencoded: int = 0
     dropped_dirty: int = 0
     write_failures: int = 0
+    restore: dict[TierLevel | None, LatencyHistogram] = field(
+        default_factory=lambda: {lvl: LatencyHistogram() for lvl in (*TierLevel, None)}
+    )
+    """Each load of a session's (or a prefix's) KV, by the deepest tier that served it (None:
+    nothing found)."""
+    checkpoint: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """Each session checkpoint: blocks made durable in L3, then the index row committed."""
+
+    def loaded(self, level: TierLevel, seconds_each: float, blocks: int = 1) -> None:
+        """``blocks`` served from ``level`` in ``seconds_each`` each."""
+        tier = self.tiers[level]
+        tier.load_seconds += seconds_each * blocks
+        tier.load.observe(seconds_each, blocks)
+
+    def saved(self, level: TierLevel, seconds_each: float, blocks: int = 1) -> None:
+        self.tiers[level].save.observe(seconds_each, blocks)
+
+    def restored(self, deepest: TierLevel | None, seconds: float) -> None:
+        self.restore[deepest].observe(seconds)
+
+    def checkpointed(self, seconds: float) -> None:
+        self.checkpoint.observe(seconds)
 
     def unreadable(self, exc: KVStrataError, where: str, log: logging.Logger) -> None:
         """A block read from ``where`` failed verification: counted, logged, treated as missing

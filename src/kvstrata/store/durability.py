@@ -10,6 +10,7 @@ mirror writes behind L3.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import StoreCounters
-from kvstrata.store.tiers.base import Tier
+from kvstrata.store.tiers.base import Tier, TierLevel
 from kvstrata.store.writer import BackgroundWriter
 
 _BATCH_BLOCKS = 4096
@@ -140,6 +141,11 @@ class DiskWriter:
             self._replace.discard(block.key)
         return ready, replace
 
+    def _saved(self, seconds: float, blocks: int) -> None:
+        """A group commit of ``blocks`` blocks took ``seconds`` (sealing, writing, syncing)."""
+        if blocks:
+            self.counters.saved(TierLevel.L3, seconds / blocks, blocks)
+
     def _written(self, block: KVBlock, error: Exception | None) -> None:
         if error is None:
             self.failed.discard(block.key)
@@ -194,9 +200,12 @@ class _Stream:
         self.errors: list[Exception | None] = []
         self.sent: list[tuple[int, KVBlock]] = []
         """(index in errors, sealed block) of every block handed to the tier, in order."""
+        self.busy_s = 0.0
+        """Time spent in ``add`` and ``commit`` (not waiting for more blocks to arrive)."""
         self._later: list[tuple[list[KVBlock], set[BlockKey]]] = []
 
     def add(self, blocks: list[KVBlock]) -> None:
+        started = time.perf_counter()
         base = len(self.errors)
         errors: list[Exception | None] = [None] * len(blocks)
         ready, replace = self.writer._prepared(blocks, errors)
@@ -207,8 +216,10 @@ class _Stream:
             self.batch.add(ready, replace)
         else:
             self._later.append((ready, replace))
+        self.busy_s += time.perf_counter() - started
 
     def commit(self) -> list[Exception | None]:
+        started = time.perf_counter()
         writer = self.writer
         if self.batch is not None:
             results = self.batch.commit()
@@ -223,4 +234,6 @@ class _Stream:
         for (i, block), error in zip(self.sent, results, strict=True):
             self.errors[i] = error
             writer._written(block, error)
+        written = sum(1 for error in results if error is None)
+        writer._saved(self.busy_s + time.perf_counter() - started, written)
         return self.errors

@@ -188,7 +188,7 @@ class TieredStore:
         started = time.perf_counter()
         found = self.restorer.lookup(key, priority, max_loss, scheduled)
         if found is not None:
-            self.counters.tiers[found[1]].load_seconds += time.perf_counter() - started
+            self.counters.loaded(found[1], time.perf_counter() - started)
         return found
 
     def acceptable(self, block: KVBlock, max_loss: int | None) -> bool:

@@ -11,6 +11,7 @@ a miss: the remote tier never fails a request.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from kvstrata.codecs import loss_rank
@@ -18,6 +19,7 @@ from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import VERIFY_ERRORS, StoreCounters
+from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.remote import RedisTier
 from kvstrata.store.writer import BackgroundWriter
 
@@ -50,7 +52,11 @@ class RemoteMirror:
         self._writer.submit(block)
 
     def _write(self, block: KVBlock) -> bool:
-        return self.tier.put(self._seal(block))
+        started = time.perf_counter()
+        stored = self.tier.put(self._seal(block))
+        if stored:
+            self.counters.saved(TierLevel.L4, time.perf_counter() - started)
+        return stored
 
     def _on_failure(self, block: KVBlock, error: Exception) -> None:
         self.counters.remote_errors += 1

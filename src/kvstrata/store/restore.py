@@ -271,7 +271,7 @@ class Restorer:
             for level, blocks in served.items():
                 counters = tiered.counters.tiers[level]
                 counters.hits += blocks
-                counters.load_seconds += elapsed * blocks / len(hits)
+                tiered.counters.loaded(level, elapsed / len(hits), blocks)
         return {i: (block.num_tokens, level) for i, block, level in hits}
 
     def _copy_hits(
@@ -338,7 +338,7 @@ class Restorer:
         started: float,
     ) -> tuple[int, TierLevel]:
         self._hit(key, block, level, priority, True, self._resident(block, room))
-        self.tiered.counters.tiers[level].load_seconds += time.perf_counter() - started
+        self.tiered.counters.loaded(level, time.perf_counter() - started)
         return block.num_tokens, level
 
     def _hit(

@@ -258,10 +258,12 @@ class SessionIO:
             buffer = out
         else:
             buffer = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+        started = time.perf_counter()
         with self.tiered.stats.hold(keys):
             got, by_tier = self.tiered.restorer.restore(
                 keys, buffer, want, full=full, priority=prio, max_loss=max_loss
             )
+        self.counters.restored(max(by_tier, default=None), time.perf_counter() - started)
         if got == 0:
             return LoadedKV(None, 0, {}, 0, None)
         return LoadedKV(buffer[:, :, :, :got], got, by_tier, None if got >= want else got, buffer)
@@ -275,8 +277,10 @@ class SessionIO:
         try:
             self._checkpoint(session)
         finally:
+            elapsed = time.perf_counter() - started
             self.checkpoints += 1
-            self.checkpoint_seconds += time.perf_counter() - started
+            self.checkpoint_seconds += elapsed
+            self.counters.checkpointed(elapsed)
 
     def _checkpoint(self, session: Session) -> None:
         keys = session.all_keys()
