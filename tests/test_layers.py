@@ -128,7 +128,7 @@ KNOWN_CHAINS: list[tuple[str, int, str]] = [
     ("store/kvstore.py", 9, "refactor"),
     ("store/leasing.py", 3, "refactor"),
     ("store/lifecycle.py", 7, "refactor"),
-    ("store/placement.py", 5, "refactor"),
+    ("store/placement.py", 4, "refactor"),
     ("store/restore.py", 5, "refactor"),
     ("store/restore_stream.py", 12, "refactor"),
     ("store/session_io.py", 7, "refactor"),

@@ -59,7 +59,8 @@ class StoreCounters:
         tier.load.observe(seconds_each, blocks)
 
     def saved(self, level: TierLevel, seconds_each: float, blocks: int = 1) -> None:
-        self.tiers[level].save.observe(seconds_each, blocks)
+        tier = self.tiers[level]
+        tier.save.observe(seconds_each, blocks)
 
     def restored(self, deepest: TierLevel | None, seconds: float) -> None:
         self.restore[deepest].observe(seconds)
