@@ -36,9 +36,18 @@ def serve(
         Path | None,
         typer.Option(
             "--api-keys",
-            help="JSON or TOML file mapping API keys to tenants (default: $KVSTRATA_API_KEYS, "
-            "'key1:tenantA,key2:tenantB'). Required to listen beyond loopback.",
+            help="JSON or TOML file mapping API keys to tenants and scopes (default: "
+            "$KVSTRATA_API_KEYS, 'key1:tenantA,key2:tenantA:read,key3::admin'). Required to listen "
+            "beyond loopback.",
         ),
+    ] = None,
+    ssl_certfile: Annotated[
+        Path | None,
+        typer.Option("--ssl-certfile", help="Serve HTTPS with this PEM certificate (chain)."),
+    ] = None,
+    ssl_keyfile: Annotated[
+        Path | None,
+        typer.Option("--ssl-keyfile", help="The certificate's PEM private key (with --ssl-certfile)."),
     ] = None,
     audit_log: Annotated[
         Path | None,
@@ -81,12 +90,13 @@ def serve(
     from kvstrata.policy.memory import MemoryMode, MemoryModeKind
     from kvstrata.priority import Priority
     from kvstrata.server import ServerConfig, create_app
-    from kvstrata.server.auth import ENV_VAR, ApiKeys, check_bind
+    from kvstrata.server.auth import ENV_VAR, ApiKeys, check_bind, check_tls
     from kvstrata.store import KVStore
 
     try:
         keys = ApiKeys.load(api_keys, os.environ.get(ENV_VAR))
         check_bind(host, keys)
+        check_tls(ssl_certfile, ssl_keyfile)
         config = StoreConfig(
             remote=remote_config(remote, remote_cluster),
             encryption_key=encryption_key_from_env(),
@@ -137,7 +147,14 @@ def serve(
             on_shutdown=shutdown,
         )
         try:
-            uvicorn.run(app, host=host, port=port, log_level="info")
+            uvicorn.run(
+                app,
+                host=host,
+                port=port,
+                log_level="info",
+                ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+                ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+            )
         finally:
             shutdown()  # idempotent: a start-up failure never reached the lifespan
     except KVStrataError as exc:

@@ -6,15 +6,15 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.engine import Engine
-from kvstrata.server import admin, openai_api
+from kvstrata.server import admin, admin_api, openai_api
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.context import ServerConfig, ServerContext
-from kvstrata.server.deps import context
+from kvstrata.server.deps import authorize, context
 from kvstrata.server.errors import HANDLERS
 from kvstrata.server.metrics import ServerMetrics
 
@@ -41,10 +41,14 @@ def create_app(
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="kvstrata", lifespan=lifespan, exception_handlers=HANDLERS)
+    # every route, those added later included, is checked by one rule (kvstrata.server.auth)
+    app = FastAPI(
+        title="kvstrata", lifespan=lifespan, exception_handlers=HANDLERS, dependencies=[Depends(authorize)]
+    )
     app.state.ctx = ctx
     app.include_router(openai_api.router)
     app.include_router(admin.router)
+    app.include_router(admin_api.router)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from kvstrata.server.auth import Denied, KeyGrant
 from kvstrata.server.context import ServerContext
 from kvstrata.server.errors import APIError
 
@@ -24,22 +25,42 @@ def client_address(request: Request) -> str | None:
     return f"{request.client.host}:{request.client.port}" if request.client else None
 
 
-def require_tenant(request: Request) -> str:
-    """The caller's tenant (namespace); a missing or unknown API key is a 401, and audited."""
+def authorize(request: Request) -> None:
+    """Every route's check (the app's dependency): the caller's key must allow this request by
+    the rule of :func:`kvstrata.server.auth.access_for`; a missing or unknown key is a 401, a key
+    without the scope a 403, both audited. The grant is kept on the request for the route."""
     ctx = context(request)
-    tenant = ctx.config.api_keys.tenant_for(request.headers.get("authorization"))
-    if tenant is None:
+    keys = ctx.config.api_keys
+    authorization = request.headers.get("authorization")
+    try:
+        request.state.grant = keys.authorize(authorization, request.method, request.url.path)
+    except Denied as exc:
         if ctx.audit is not None:
+            if exc.status == 401:
+                action, tenant = "auth_failure", None
+                reason = "missing key" if authorization is None else "bad key"
+            else:
+                action, tenant, reason = "scope_denied", keys.tenant_for(authorization), str(exc)
             ctx.audit.record(
-                "auth_failure",
-                tenant=None,
+                action,
+                tenant=tenant,
                 client=client_address(request),
                 outcome="denied",
                 path=request.url.path,
-                reason="missing key" if "authorization" not in request.headers else "bad key",
+                reason=reason,
             )
+        raise APIError(exc.status, str(exc), type=_ERROR_TYPES[exc.status], code=exc.code) from None
+
+
+_ERROR_TYPES = {401: "invalid_request_error", 403: "permission_error"}
+
+
+def require_tenant(request: Request) -> str:
+    """The caller's tenant (namespace), as :func:`authorize` found it for this tenant route."""
+    grant: KeyGrant | None = getattr(request.state, "grant", None)
+    if grant is None or grant.tenant is None:  # authorize lets no such request through
         raise APIError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key")
-    return tenant
+    return grant.tenant
 
 
 async def locked(ctx: ServerContext, work: Callable[[], T]) -> T:
