@@ -40,6 +40,21 @@ def live_records(store: KVStore, sub: str = "") -> list[tuple[str, Path, int]]:
     return [r for r in records(store.root, sub) if (str(r[1]), r[2]) in named]
 
 
+def record_file(store: KVStore, key: BlockKey) -> Path | None:
+    """The file holding ``key``'s record (a segment, or a block file of its own); None: not in L3."""
+    found = store.disk.locate(key)
+    return found[0] if found is not None else None
+
+
+def compact(store: KVStore, hole_fraction: float) -> Any:
+    """Compact the store's segments at least ``hole_fraction`` holes (``kvstrata gc --compact``)."""
+    from kvstrata.store.compaction import Compactor
+
+    disk = store.disk
+    compactor = Compactor(disk.files, disk.cache, store.index.blocks, store.layout, disk.records.keyring)
+    return compactor.compact(hole_fraction)
+
+
 def flip_byte(store: KVStore, key: BlockKey, at: int = 200) -> Path:
     """Flip one bit of ``key``'s record, ``at`` bytes into it; the file it lies in."""
     found = store.disk.locate(key)
@@ -81,8 +96,8 @@ def files_and_index(store: KVStore) -> tuple[set[tuple[object, ...]], set[tuple[
     indexed: set[tuple[object, ...]] = set()
     for row in store.disk.rows():
         indexed.add(("segment", row.file_id) if row.offset is not None else (row.key, row.file_id, row.cold))
-    on_disk: set[tuple[object, ...]] = {("segment", sid) for sid, _ in store.disk.iter_segments()}
-    for path, cold in store.disk.iter_files():
+    on_disk: set[tuple[object, ...]] = {("segment", sid) for sid, _ in store.disk.files.iter_segments()}
+    for path, cold in store.disk.files.iter_files():
         parsed = parse_file_name(path.name)
         on_disk.add((*parsed, cold) if parsed is not None else (path.name,))
     return on_disk, indexed
@@ -90,7 +105,8 @@ def files_and_index(store: KVStore) -> tuple[set[tuple[object, ...]], set[tuple[
 
 def kept_read_plans(monkeypatch: Any) -> list[Any]:
     """Every ``NativeReads`` the restores make from now on, kept for the test to look at."""
-    from kvstrata.store import in_place, restore_stream
+    from kvstrata.store.tiers.disk import in_place
+    from kvstrata.store.tiers.disk import stream as restore_stream
 
     plans: list[in_place.NativeReads] = []
     made = in_place.NativeReads
@@ -108,7 +124,7 @@ def page_cache_reads(monkeypatch: Any, cached: bool = True) -> None:
     cache, in place where they can) or cold (direct reads into aligned buffers), whatever the
     page cache holds: a checkpoint drops the pages it wrote once they are on disk, so which path a
     test's restore took would depend on the kernel's writeback."""
-    from kvstrata.store import restore_stream
+    from kvstrata.store.tiers.disk import stream as restore_stream
 
     monkeypatch.setattr(restore_stream, "cached", lambda extents, paths: cached)
 

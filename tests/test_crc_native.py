@@ -19,8 +19,10 @@ import torch
 from kvstrata import KVStore
 from kvstrata.native import ENV
 from kvstrata.native.library import NativeLibrary
-from kvstrata.store import _native_crc, in_place, restore_stream
+from kvstrata.store import _native_crc
 from kvstrata.store.kvbin import HEADER_BYTES
+from kvstrata.store.tiers.disk import in_place
+from kvstrata.store.tiers.disk import stream as restore_stream
 
 from conftest import LAYOUT, token_kv
 from stored import flip_byte, page_cache_reads

@@ -27,11 +27,11 @@ from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store.index import BlockRow
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.lifecycle import collect_garbage
-from kvstrata.store.tiers import disk_batch
 from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.disk import batch as disk_batch
 
 from conftest import LAYOUT, token_kv
-from stored import files_and_index
+from stored import files_and_index, record_file
 
 Factory = Callable[..., KVStore]
 RECORD = LAYOUT.bytes_per_block + 92 + 4  # a full block's .kvbin file, identity codec
@@ -193,7 +193,7 @@ def test_small_records_are_written_in_groups_and_read_back(
     store.checkpoint(session)
     assert RECORD < disk_batch.WRITE_GROUP_BYTES
     assert sum(calls) >= 4 * 48 and len(calls) < 48  # every record's 4 parts, fewer calls than records
-    segments = {p for p in (store.disk.path_of(k) for k in session.block_keys) if p is not None}
+    segments = {p for p in (record_file(store, k) for k in session.block_keys) if p is not None}
     store.close()
     for segment in segments:
         result = CliRunner().invoke(app, ["inspect", str(segment), "--json"])
@@ -245,7 +245,7 @@ def test_kill9_during_eviction_leaves_no_dangling_row_and_gc_no_orphan(tmp_path:
         config = StoreConfig(ladder=CodecLadder.exact(), l3_budget_bytes=20 * RECORD)
         with KVStore(root, LAYOUT, model_fingerprint=b"test-model", config=config) as store:
             for row in store.disk.rows():
-                assert store.disk.path_of(row.key).exists(), f"trial {trial}"  # type: ignore[union-attr]
+                assert record_file(store, row.key).exists(), f"trial {trial}"  # type: ignore[union-attr]
             for info in store.list_sessions():  # readable, or cleanly recomputed from a block
                 loaded = store.load(store.session(info.id))
                 n = loaded.num_tokens

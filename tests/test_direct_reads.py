@@ -17,9 +17,10 @@ import torch
 
 from kvstrata import KVStore
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.store import _native_crc, in_place, restore_stream
+from kvstrata.store import _native_crc
 from kvstrata.store.kvbin import HEADER_BYTES
 from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.disk import in_place, range_buffers
 
 from conftest import LAYOUT, token_kv
 from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads, session_in_l3
@@ -110,7 +111,7 @@ def test_large_exact_restores_and_stores_without_direct_reads_go_through_the_pag
     store, tokens = _session(open_store, tmp_path / "store", "exact")
     plans = kept_read_plans(monkeypatch)
     page_cache_reads(monkeypatch, cached=False)
-    monkeypatch.setattr(restore_stream, "NATIVE_SLOT_BYTES", LAYOUT.bytes_per_block)  # not the whole restore
+    monkeypatch.setattr(range_buffers, "NATIVE_SLOT_BYTES", LAYOUT.bytes_per_block)  # not the whole restore
     loaded = store.load(store.session("s"))
     assert loaded.tokens_by_tier == {TierLevel.L3: len(tokens)}
     assert not plans[-1].direct and all(slot is None for slot in plans[-1].slot_of)  # in place

@@ -24,7 +24,7 @@ from kvstrata.cli.main import app
 from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.store.kvbin import record_trailer
-from kvstrata.store.tiers import direct_writes
+from kvstrata.store.tiers.disk import direct_writes
 
 from conftest import LAYOUT, make_block, token_kv
 from stored import records
@@ -207,7 +207,7 @@ def test_a_failed_early_write_fails_the_whole_batch(
     assert not failures  # the write did fail
     assert store.index.sessions.get("default", "s").num_tokens == len(first)  # type: ignore[union-attr]
     new_keys = session.block_keys[len(first) // LAYOUT.block_tokens :]
-    assert not any(store.disk.placement(key) for key in new_keys)  # none of the batch indexed
+    assert not any(store.disk.cache.get(key) for key in new_keys)  # none of the batch indexed
     assert not list((store.root / "tmp").iterdir())
     store.checkpoint(session)  # the failure is over: every block of the batch is written
     store.close()
@@ -230,7 +230,7 @@ def test_an_error_found_by_a_later_add_fails_the_records_added_before(
     results = batch.commit()
     assert not failures  # the write did fail
     assert all(r is not None for r in results)
-    assert not any(store.disk.placement(block.key) for block in blocks)
+    assert not any(store.disk.cache.get(block.key) for block in blocks)
     assert store.disk.put_many(blocks) == [None] * len(blocks)  # and they go in whole afterwards
     assert all(store.disk.get(block.key) is not None for block in blocks)
 

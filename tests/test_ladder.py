@@ -148,7 +148,7 @@ def test_gc_archives_idle_blocks_to_the_archive_codec(open_store: Factory, tmp_p
     assert report.blocks_archived == 2  # the background session's blocks; realtime ones stay exact
     assert _l3_codecs(store, sessions["background"].block_keys) == ["kivi2", "kivi2"]
     assert _l3_codecs(store, sessions["realtime"].block_keys) == ["identity", "identity"]
-    assert all(store.disk.is_cold(k) for s in sessions.values() for k in s.block_keys)
+    assert all(store.disk.cache.get(k).cold for s in sessions.values() for k in s.block_keys)
     store.close()
     reopened = open_store(layout=LAYOUT16, ladder=LADDER, l1_budget_bytes=0, l2_budget_bytes=0)
     assert reopened.load(reopened.session("background")).num_tokens == 32

@@ -82,8 +82,7 @@ LAYERS: tuple[Layer, ...] = (
 
 # Import circles, by their modules (without "kvstrata."). A circle that shrinks still matches.
 KNOWN_CIRCLES: list[tuple[str, str]] = [
-    ("store.placement store.demoter store.reencoder store.restore store.restore_stream", "refactor"),
-    ("store.tiers.disk store.tiers.disk_batch store.evictor", "refactor"),
+    ("store.demoter store.placement store.reencoder store.restore", "refactor"),
     ("store store.kvstore store.stats", "refactor"),
     ("server.openai_api server.streaming", "api"),
 ]
@@ -98,14 +97,11 @@ KNOWN_LONG_MODULES: list[tuple[str, str]] = [
     ("integrations/vllm/worker.py", "drain"),
     ("store/placement.py", "refactor"),
     ("store/restore.py", "refactor"),
-    ("store/restore_stream.py", "refactor"),
-    ("store/tiers/disk.py", "refactor"),
 ]
 
 MAX_STORE_CLASS_METHODS = 25
 KNOWN_BIG_STORE_CLASSES: list[tuple[str, str]] = [
     ("store/placement.py:TieredStore", "refactor"),
-    ("store/tiers/disk.py:DiskTier", "refactor"),
 ]
 
 MAX_KVSTORE_PUBLIC_METHODS = 25
@@ -117,32 +113,21 @@ KNOWN_KVSTORE_OFFENCES: list[tuple[str, str]] = [
 
 # Attribute chains of more than two hops in store/ (see structure.attribute_chains), per module.
 KNOWN_CHAINS: list[tuple[str, int, str]] = [
-    ("store/_native_crc.py", 2, "refactor"),
     ("store/archive.py", 1, "refactor"),
     ("store/block_access.py", 9, "refactor"),
-    ("store/compaction.py", 5, "refactor"),
     ("store/demoter.py", 7, "refactor"),
-    ("store/evictor.py", 8, "refactor"),
-    ("store/in_place.py", 2, "refactor"),
     ("store/index/db.py", 5, "integrity"),
     ("store/kvstore.py", 9, "refactor"),
     ("store/leasing.py", 3, "refactor"),
-    ("store/lifecycle.py", 7, "refactor"),
+    ("store/lifecycle.py", 9, "refactor"),
     ("store/placement.py", 4, "refactor"),
     ("store/restore.py", 5, "refactor"),
-    ("store/restore_stream.py", 12, "refactor"),
-    ("store/session_io.py", 7, "refactor"),
-    ("store/stats.py", 2, "refactor"),
-    ("store/tiers/disk.py", 20, "refactor"),
-    ("store/tiers/disk_batch.py", 1, "refactor"),
-    ("store/tiers/disk_files.py", 2, "refactor"),
+    ("store/session_io.py", 8, "refactor"),
+    ("store/stats.py", 3, "refactor"),
 ]
 
 # getattr/hasattr probes of a literal name on an object in store/ (structure.probes), per module.
 KNOWN_PROBES: list[tuple[str, int, str]] = [
-    ("store/durability.py", 3, "refactor"),
-    ("store/restore.py", 3, "refactor"),
-    ("store/restore_stream.py", 2, "refactor"),
     ("store/stats.py", 1, "refactor"),
 ]
 
@@ -151,8 +136,6 @@ KNOWN_BACK_POINTERS: list[tuple[str, int, str]] = [
     ("store/archive.py", 3, "refactor"),
     ("store/block_access.py", 1, "refactor"),
     ("store/demoter.py", 1, "refactor"),
-    ("store/durability.py", 2, "refactor"),
-    ("store/evictor.py", 1, "refactor"),
     ("store/index/db.py", 1, "integrity"),
     ("store/kvstore.py", 2, "refactor"),
     ("store/lifecycle.py", 8, "refactor"),
@@ -161,8 +144,6 @@ KNOWN_BACK_POINTERS: list[tuple[str, int, str]] = [
     ("store/restore.py", 2, "refactor"),
     ("store/session_io.py", 1, "refactor"),
     ("store/stats.py", 4, "refactor"),
-    ("store/tiers/direct_writes.py", 1, "refactor"),
-    ("store/tiers/disk.py", 1, "refactor"),
 ]
 
 # Heavy packages that `import kvstrata.config` loads.

@@ -14,10 +14,11 @@ import torch
 from kvstrata import KVStore
 from kvstrata.native.library import NativeLibrary
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.store import _native_crc, restore_stream
+from kvstrata.store import _native_crc
 from kvstrata.store.kvbin import HEADER_BYTES
-from kvstrata.store.tiers import segment_reads
 from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.tiers.disk import range_buffers, segment_reads
+from kvstrata.store.tiers.disk import stream as restore_stream
 
 from conftest import LAYOUT, token_kv
 from stored import flip_byte, kept_read_plans, page_cache_reads, per_block_reads, session_in_l3
@@ -50,8 +51,8 @@ def test_a_lossy_chain_is_decoded_from_the_loops_buffers_as_the_python_reads_dec
     """int8 records read by the native loop into buffers (one per range, or fewer, reused once
     the decoders hand them back: the loop waits at the gate) and the exact one in place give the
     same tensor as the Python reads of the same store."""
-    monkeypatch.setattr(restore_stream, "NATIVE_SLOT_BYTES", slot_bytes)
-    monkeypatch.setattr(restore_stream, "buffered_chunk_bytes", lambda extents: 1)  # a range a record
+    monkeypatch.setattr(range_buffers, "NATIVE_SLOT_BYTES", slot_bytes)
+    monkeypatch.setattr(range_buffers, "buffered_chunk_bytes", lambda extents: 1)  # a range a record
     page_cache_reads(monkeypatch)  # the exact record in place
     store, tokens = _lossy_store(open_store, tmp_path / "store")
     codecs = [store.disk.placements([k])[k].codec for k in store.session("s").block_keys]
@@ -64,10 +65,10 @@ def test_a_lossy_chain_is_decoded_from_the_loops_buffers_as_the_python_reads_dec
     buffered = [r for r, slot in enumerate(plan.slot_of) if slot is not None]
     assert len(buffered) == BLOCKS - 1 and plan.gate is not None
     slots = {id(plan.slot_of[r]) for r in buffered}
-    assert len(slots) == (BLOCKS - 1 if slot_bytes > 1 else restore_stream.NATIVE_MIN_SLOTS)
+    assert len(slots) == (BLOCKS - 1 if slot_bytes > 1 else range_buffers.NATIVE_MIN_SLOTS)
     if slot_bytes == 1:  # each buffer waits for the range that used it before
         waits = plan.gate.after[plan.gate.after >= 0].tolist()
-        assert waits == buffered[: len(waits)] and len(waits) == BLOCKS - 1 - restore_stream.NATIVE_MIN_SLOTS
+        assert waits == buffered[: len(waits)] and len(waits) == BLOCKS - 1 - range_buffers.NATIVE_MIN_SLOTS
     assert native.missing_from_token is None and native.tokens_by_tier == {TierLevel.L3: len(tokens)}
 
     _python_reads(monkeypatch)
@@ -128,8 +129,8 @@ def test_a_small_restore_asks_the_kernel_for_its_bytes_first(
 
 def test_slots_one_per_range_when_they_fit() -> None:
     mib = 1 << 20
-    assert restore_stream.native_slots([]) == 0
-    assert restore_stream.native_slots([mib] * 8) == 8  # every range its own buffer
-    assert restore_stream.native_slots([4 * mib] * 100) == restore_stream.NATIVE_SLOT_BYTES // (4 * mib)
-    assert restore_stream.native_slots([64 * mib] * 10) == restore_stream.NATIVE_MIN_SLOTS
-    assert restore_stream.native_slots([mib] * 2) == 2
+    assert range_buffers.native_slots([]) == 0
+    assert range_buffers.native_slots([mib] * 8) == 8  # every range its own buffer
+    assert range_buffers.native_slots([4 * mib] * 100) == range_buffers.NATIVE_SLOT_BYTES // (4 * mib)
+    assert range_buffers.native_slots([64 * mib] * 10) == range_buffers.NATIVE_MIN_SLOTS
+    assert range_buffers.native_slots([mib] * 2) == 2

@@ -22,14 +22,21 @@ from typer.testing import CliRunner
 
 from kvstrata import GcConfig, KVStore
 from kvstrata.cli.main import app
-from kvstrata.store.compaction import compact_segments
 from kvstrata.store.index.block_rows import BlockTable
 from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, token_kv
-from stored import files_and_index, flip_byte, kept_read_plans, page_cache_reads, record_files
+from stored import (
+    compact,
+    files_and_index,
+    flip_byte,
+    kept_read_plans,
+    page_cache_reads,
+    record_file,
+    record_files,
+)
 
 Factory = Callable[..., KVStore]
 COMPACTOR = Path(__file__).with_name("compact_writer.py")
@@ -151,7 +158,7 @@ def test_holes_are_counted_and_compaction_gives_them_back(open_store: Factory) -
     collect_garbage(store, NO_GRACE)
     l3 = store.stats().tiers[-1]
     assert l3.tier == "L3" and l3.fragmentation_bytes == 6 * store.disk.block_bytes(both.block_keys[0])
-    segment = store.disk.path_of(both.block_keys[0])
+    segment = record_file(store, both.block_keys[0])
 
     report = collect_garbage(
         store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5)
@@ -177,7 +184,7 @@ def test_compaction_crash_before_the_commit_leaves_an_orphan_gc_removes(
 
     monkeypatch.setattr(BlockTable, "move_to_segment", crash)
     with pytest.raises(OSError, match="simulated crash"):
-        compact_segments(store.disk, 0.5)
+        compact(store, 0.5)
     monkeypatch.undo()
     assert len(record_files(store.root, "segments")) == len(before) + 1  # the new segment, unindexed
     assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])  # still read from the old one
@@ -196,13 +203,13 @@ def test_compaction_crash_after_the_commit_leaves_the_old_segment_to_gc(
     store = _disk_only(open_store)
     session, tokens = _cut_short(store, keep_blocks=2)
     collect_garbage(store, NO_GRACE)
-    old = store.disk.path_of(session.block_keys[0])
+    old = record_file(store, session.block_keys[0])
     real = BlockTable.segment_refs
     monkeypatch.setattr(BlockTable, "segment_refs", lambda self, segment_id: 1)  # "crash" before the unlink
-    report = compact_segments(store.disk, 0.5)
+    report = compact(store, 0.5)
     monkeypatch.setattr(BlockTable, "segment_refs", real)
     assert report.blocks_moved == 2 and old is not None and old.exists()
-    assert store.disk.path_of(session.block_keys[0]) != old
+    assert record_file(store, session.block_keys[0]) != old
     assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
     store.close()  # the process "died"
     store = _disk_only(open_store)
@@ -219,12 +226,12 @@ def test_a_reader_whose_segment_was_compacted_away_reads_the_new_one(
     reader = _disk_only(open_store)
     session, tokens = _cut_short(reader, keep_blocks=3)
     assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # placements now cached here
-    old = reader.disk.path_of(session.block_keys[0])
+    old = record_file(reader, session.block_keys[0])
     other = _disk_only(open_store, tmp_path / "store")  # a second handle: another process's view
     collect_garbage(other, GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5))
     assert old is not None and not old.exists()
     assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # asked the index again
-    assert not reader.disk.lost and reader.counters.corrupt_blocks == 0
+    assert not reader.disk.records.lost and reader.counters.corrupt_blocks == 0
 
 
 def test_a_format_2_store_is_read_as_it_is_and_migrated(open_store: Factory, tmp_path: Path) -> None:
@@ -251,7 +258,7 @@ def test_a_format_2_store_is_read_as_it_is_and_migrated(open_store: Factory, tmp
     assert migrated.index.get_meta("format_version") == "3"
     assert _whole(migrated, "s", tokens)
     _fill(migrated, "new", 5_000, 4)
-    assert migrated.disk.path_of(migrated.session("new").block_keys[0]).suffix == ".kvseg"  # type: ignore[union-attr]
+    assert record_file(migrated, migrated.session("new").block_keys[0]).suffix == ".kvseg"  # type: ignore[union-attr]
 
 
 def test_kill9_during_compaction_loses_nothing_and_gc_leaves_no_orphan(tmp_path: Path) -> None:
@@ -279,14 +286,14 @@ def test_kill9_during_compaction_loses_nothing_and_gc_leaves_no_orphan(tmp_path:
                 loaded = store.load(session)
                 assert loaded.missing_from_token is None, f"trial {trial}: {info.id}"
                 assert torch.equal(loaded.kv, token_kv(LAYOUT, session.token_ids)), f"trial {trial}"  # type: ignore[arg-type]
-            assert store.counters.corrupt_blocks == 0 and not store.disk.lost
+            assert store.counters.corrupt_blocks == 0 and not store.disk.records.lost
             collect_garbage(store, NO_GRACE)
             on_disk, indexed = files_and_index(store)
             assert on_disk == indexed, f"trial {trial}"
 
 
 def test_preadv_all_fills_any_number_of_buffers_across_short_reads(tmp_path: Path) -> None:
-    from kvstrata.store.tiers.segment_reads import preadv_all
+    from kvstrata.store.tiers.disk.segment_reads import preadv_all
 
     rng = random.Random(5)
     data = rng.randbytes(50_000)
@@ -308,8 +315,9 @@ def test_preadv_all_fills_any_number_of_buffers_across_short_reads(tmp_path: Pat
 def test_a_small_decoded_restore_is_read_in_ranges_enough_for_every_decoder() -> None:
     from kvstrata.keys import BlockKey
     from kvstrata.store.index.block_rows import Placement
-    from kvstrata.store.restore_stream import _DECODERS, buffered_chunk_bytes
-    from kvstrata.store.tiers.segment_reads import CHUNK_BYTES, MIN_CHUNK_BYTES, Extent, plan_chunks
+    from kvstrata.store.tiers.disk.range_buffers import DECODERS as _DECODERS
+    from kvstrata.store.tiers.disk.range_buffers import buffered_chunk_bytes
+    from kvstrata.store.tiers.disk.segment_reads import CHUNK_BYTES, MIN_CHUNK_BYTES, Extent, plan_chunks
 
     def extents(count: int, nbytes: int) -> list[Extent]:
         return [
@@ -329,7 +337,7 @@ def test_a_small_decoded_restore_is_read_in_ranges_enough_for_every_decoder() ->
 def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_one_tapered() -> None:
     from kvstrata.keys import BlockKey
     from kvstrata.store.index.block_rows import Placement
-    from kvstrata.store.tiers.segment_reads import (
+    from kvstrata.store.tiers.disk.segment_reads import (
         IN_PLACE_CHUNK_BYTES,
         Extent,
         in_place_chunk_bytes,
@@ -365,22 +373,22 @@ def test_an_in_place_restore_is_read_in_about_eight_ranges_the_last_one_tapered(
 def test_range_buffers_are_kept_for_the_next_restore_whichever_store_it_serves(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvstrata.store import restore_stream as rs
+    from kvstrata.store.tiers.disk import range_buffers as rs
 
     monkeypatch.setattr(rs, "KEPT_BYTES", 8 << 20)  # four buffers of 2 MiB
     with rs._kept_lock:
         saved = list(rs._kept)
         rs._kept.clear()
     try:
-        taken = rs._take_buffers(3, 1 << 20)
+        taken = rs.take(3, 1 << 20)
         first = [taken.get_nowait() for _ in range(3)]
         assert all(len(b) == 1 << 20 for b in first)
         for b in first:
             taken.put(b)
-        rs._give_back_buffers(taken)
-        again = rs._take_buffers(3, 512 << 10)  # smaller ranges take the kept buffers
+        rs.give_back(taken)
+        again = rs.take(3, 512 << 10)  # smaller ranges take the kept buffers
         assert {id(again.get_nowait()) for _ in range(3)} == {id(b) for b in first}
-        rs._give_back_buffers(rs._take_buffers(6, 2 << 20))  # larger: new ones, the largest kept
+        rs.give_back(rs.take(6, 2 << 20))  # larger: new ones, the largest kept
         assert len(rs._kept) == 4 and all(len(b) == 2 << 20 for b in rs._kept)
     finally:
         with rs._kept_lock:

@@ -25,7 +25,7 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import LAYOUT, make_block, token_kv
-from stored import flip_byte, overwrite_record, record_bytes, records
+from stored import flip_byte, overwrite_record, record_bytes, record_file, records
 
 Factory = Callable[..., KVStore]
 BLOCK = LAYOUT.bytes_per_block
@@ -186,7 +186,7 @@ def test_many_writers_and_safe_read_only_opens(open_store: Factory, tmp_path: Pa
     orphan.write_bytes(b"a dead writer's temp file")
     with KVStore(tmp_path / "store", config=StoreConfig(ladder=CodecLadder.exact())) as second:
         # a second writer opens beside the first: the dead writer's temp file goes, the live one's stays
-        assert second.disk.removed_temp_files == 1 and in_flight.exists() and not orphan.exists()
+        assert second.disk.files.removed_temp_files == 1 and in_flight.exists() and not orphan.exists()
         other = second.create_session("other")
         second.append(other, list(range(5)), token_kv(LAYOUT, list(range(5))))
         second.checkpoint(other)
@@ -258,15 +258,15 @@ def test_missing_file_is_lost_not_a_crash(open_store: Factory, tmp_path: Path) -
     store.append(session, list(range(9)), token_kv(LAYOUT, list(range(9))))
     store.checkpoint(session)
     keys = [*session.block_keys, session.tail_key]
-    victim = store.disk.path_of(keys[0])
-    sharing = [k for k in keys if store.disk.path_of(k) == victim]  # a segment holds them all
+    victim = record_file(store, keys[0])
+    sharing = [k for k in keys if record_file(store, k) == victim]  # a segment holds them all
     store.close()
     assert victim is not None
     victim.unlink()
     reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
     loaded = reopened.load(reopened.session("s"))
     assert loaded.missing_from_token == 0 and loaded.num_tokens == 0
-    assert reopened.disk.lost == set(sharing)
+    assert reopened.disk.records.lost == set(sharing)
 
 
 def test_a_write_that_ends_an_outage_ends_it_before_the_flush_waiting_for_it_returns(

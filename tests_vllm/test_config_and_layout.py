@@ -235,9 +235,9 @@ def test_rank_keys() -> None:
 
 
 def test_store_dir_is_a_store_root(tmp_path: Path) -> None:
-    from kvstrata.store.roots import layout_dir_name
     from kvstrata.layout import KVLayout
     from kvstrata.store import KVStore
+    from kvstrata.store.roots import layout_dir_name
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
     cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path / "root")})

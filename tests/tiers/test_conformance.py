@@ -17,7 +17,7 @@ from kvstrata.store.index import Index
 from kvstrata.store.placement import TieredStore
 from kvstrata.store.tiers.base import Tier, TierLevel
 from kvstrata.store.tiers.device import DeviceTier
-from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.store.tiers.disk import open_disk_tier
 from kvstrata.store.tiers.host import HostTier
 from kvstrata.store.tiers.memory import MemoryTier
 from kvstrata.store.tiers.remote import RedisTier, RemoteConfig
@@ -43,7 +43,7 @@ def _host(tmp: Path) -> Tier:
 
 def _disk(tmp: Path) -> Tier:
     index = Index(tmp / "index.sqlite", LAYOUT)
-    return DiskTier(tmp, LAYOUT, index, budget_bytes=CAPACITY_BLOCKS * (LAYOUT.bytes_per_block + 96))
+    return open_disk_tier(tmp, LAYOUT, index, budget_bytes=CAPACITY_BLOCKS * (LAYOUT.bytes_per_block + 96))
 
 
 def _tiered(tmp: Path) -> Tier:
@@ -179,7 +179,7 @@ def test_other_dtypes(tmp_path: Path) -> None:
         tiers: list[Tier] = [
             DeviceTier(layout, layout.bytes_per_block * 2),
             HostTier(layout, 1 << 20),
-            DiskTier(tmp_path / dtype, layout, Index(tmp_path / f"{dtype}.sqlite", layout)),
+            open_disk_tier(tmp_path / dtype, layout, Index(tmp_path / f"{dtype}.sqlite", layout)),
         ]
         block = make_block(layout, 5)
         for t in tiers:

@@ -17,7 +17,7 @@ from kvstrata.config import DAY_S, GcConfig
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, KVStrataError, LayoutMismatchError
 from kvstrata.store.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
 from kvstrata.store.lifecycle import collect_garbage
-from kvstrata.store.tiers.disk_files import SEGMENT_SUFFIX
+from kvstrata.store.tiers.disk.files import SEGMENT_SUFFIX
 
 store_app = typer.Typer(help="Inspect a store.", no_args_is_help=True)
 

@@ -131,7 +131,7 @@ def _checked(
         if bool((gate.after[waiting] >= waiting).any()):  # a later range would never be read first
             raise ValueError("preadv_ranges: a range may only wait for an earlier one")
     pointers = [array.ctypes.data for array in (fds, offsets, first, iovs, done)]
-    gated = [None, None] if gate is None else [gate.after.ctypes.data, gate.released.ctypes.data]
+    gated = [None, None] if gate is None else [array.ctypes.data for array in (gate.after, gate.released)]
     return [pointers[0], count, *pointers[1:], *gated]
 
 

@@ -15,6 +15,7 @@ from kvstrata.codecs.base import BlockContext, Codec, EncodedBlock
 from kvstrata.codecs.identity import IdentityCodec
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
+from kvstrata.transfer import DeviceCopier, copy_tensor
 
 _IDENTITY = IdentityCodec()
 
@@ -54,3 +55,20 @@ class KVBlock:
         tensor = self.decoded(layout)
         encoded = codec.encode(tensor, BlockContext(self.start_pos))
         return KVBlock(self.key, self.num_tokens, self.start_pos, None, encoded, self.namespace)
+
+
+def decode_into_room(block: KVBlock, room: torch.Tensor, copier: DeviceCopier, layout: KVLayout) -> None:
+    """Decode ``block`` into the first tokens of ``room`` (its slice of a restore's buffer): a
+    decoded block is copied, an encoded one decoded in place (through ``copier``'s staging
+    buffers when it stages, for a device destination)."""
+    dest = room[:, :, :, : block.num_tokens]
+    if block.tensor is not None:
+        copy_tensor(dest, block.tensor)
+        return
+    assert block.encoded is not None
+    if not copier.staged:
+        codecs.decode_into(block.encoded, layout, dest)
+    else:
+        staged = copier.stage(tuple(dest.shape), dest.dtype)
+        codecs.decode_into(block.encoded, layout, staged)
+        copier.commit(dest, staged)

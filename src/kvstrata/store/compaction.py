@@ -21,13 +21,16 @@ hole. Run under the gc lock: one maintenance pass at a time.
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 
+from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
+from kvstrata.layout import KVLayout
+from kvstrata.store.index.block_rows import BlockTable
 from kvstrata.store.kvbin import decode_record
-from kvstrata.store.tiers.disk import DiskTier
-from kvstrata.store.tiers.disk_files import PendingSegment, read_range, write_segment
+from kvstrata.store.tiers.disk.cache import PlacementCache
+from kvstrata.store.tiers.disk.fileio import PendingSegment, read_range, write_segment
+from kvstrata.store.tiers.disk.files import DiskFiles
 
 DEFAULT_HOLE_FRACTION = 0.5
 """A segment at least this much holes is compacted."""
@@ -44,78 +47,98 @@ class CompactReport:
     seconds: float
 
 
-def compact_segments(disk: DiskTier, hole_fraction: float = DEFAULT_HOLE_FRACTION) -> CompactReport:
-    """Compact every segment of ``disk`` whose holes are at least ``hole_fraction`` of its file."""
-    started = time.perf_counter()
-    live = disk.index.blocks.segment_live_bytes()
-    compacted = moved = reclaimed = left = 0
-    for segment_id, path in list(disk.iter_segments()):
-        if segment_id is None or segment_id not in live:
-            continue  # foreign, or no live record: the orphan sweep's
+class Compactor:
+    """Compaction over the disk tier's file layer and placement cache (``disk.files``,
+    ``disk.cache``) and the index's block rows; ``layout`` and ``keyring`` check the records
+    before they are copied."""
+
+    def __init__(
+        self,
+        files: DiskFiles,
+        cache: PlacementCache,
+        blocks: BlockTable,
+        layout: KVLayout,
+        keyring: Keyring | None,
+    ) -> None:
+        self._files = files
+        self._cache = cache
+        self._blocks = blocks
+        self._layout = layout
+        self._keyring = keyring
+
+    def compact(self, hole_fraction: float = DEFAULT_HOLE_FRACTION) -> CompactReport:
+        """Compact every segment whose holes are at least ``hole_fraction`` of its file."""
+        started = time.perf_counter()
+        live = self._blocks.segment_live_bytes()
+        compacted = moved = reclaimed = left = 0
+        for segment_id, path in list(self._files.iter_segments()):
+            if segment_id is None or segment_id not in live:
+                continue  # foreign, or no live record: the orphan sweep's
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if size == 0 or (size - live[segment_id]) / size < hole_fraction:
+                continue
+            result = self._compact_one(segment_id)
+            if result is None:
+                continue
+            new_size, count, skipped = result
+            compacted += 1
+            moved += count
+            left += skipped
+            reclaimed += size - new_size if self._blocks.segment_refs(segment_id) == 0 else -new_size
+        return CompactReport(compacted, moved, reclaimed, left, time.perf_counter() - started)
+
+    def _compact_one(self, segment_id: str) -> tuple[int, int, int] | None:
+        """(new segment's bytes, records moved, records left behind); None when nothing was done."""
+        rows = self._blocks.segment_rows(segment_id)
+        if not rows:
+            return None
+        old_path = self._files.segment_path(segment_id)
+        layout_fingerprint = self._layout.fingerprint
+        start, end = rows[0][1], rows[-1][1] + rows[-1][2]
         try:
-            size = path.stat().st_size
+            data = read_range(old_path, start, end - start, None, cold=False)
         except FileNotFoundError:
-            continue
-        if size == 0 or (size - live[segment_id]) / size < hole_fraction:
-            continue
-        result = _compact_one(disk, segment_id)
-        if result is None:
-            continue
-        new_size, count, skipped = result
-        compacted += 1
-        moved += count
-        left += skipped
-        reclaimed += size - new_size if disk.index.blocks.segment_refs(segment_id) == 0 else -new_size
-    return CompactReport(compacted, moved, reclaimed, left, time.perf_counter() - started)
-
-
-def _compact_one(disk: DiskTier, segment_id: str) -> tuple[int, int, int] | None:
-    """(new segment's bytes, records moved, records left behind); None when nothing was done."""
-    rows = disk.index.blocks.segment_rows(segment_id)
-    if not rows:
-        return None
-    old_path = disk.segment_path(segment_id)
-    start, end = rows[0][1], rows[-1][1] + rows[-1][2]
-    try:
-        data = read_range(old_path, start, end - start, None, cold=False)
-    except FileNotFoundError:
-        return None  # removed meanwhile (its last row went)
-    records: list[list[memoryview]] = []
-    kept: list[tuple[bytes, int]] = []
-    skipped = 0
-    for key, offset, nbytes in rows:
-        record = data[offset - start : offset - start + nbytes]
-        try:
-            decode_record(
-                record, expected_key=key, expected_layout=disk.layout.fingerprint, keyring=disk.keyring
-            )
-        except EncryptionKeyError:
-            pass  # the CRC32C checked out; only the payload is sealed under a key this process lacks
-        except (CorruptBlockError, LayoutMismatchError):
-            skipped += 1
-            continue
-        records.append([record])
-        kept.append((key, offset))
-    if not records:
-        return None
-    new_id = disk.writer_nonce + uuid.uuid4().hex[:12]
-    final = disk.segment_path(new_id)
-    segment = PendingSegment(
-        disk.tmp_dir / f"{disk.writer_token or 'anon-0'}.{final.name}.tmp", final, records, []
-    )
-    write_segment(segment)
-    if segment.error is not None:
-        raise segment.error
-    moves = [
-        (key, segment_id, old_offset, new_id, new_offset)
-        for (key, old_offset), new_offset in zip(kept, segment.offsets, strict=True)
-    ]
-    done = disk.index.blocks.move_to_segment(moves)
-    for key in done:
-        disk.forget_cached(key)
-    if not done:
-        final.unlink(missing_ok=True)
-        return None
-    if disk.index.blocks.segment_refs(segment_id) == 0:
-        old_path.unlink(missing_ok=True)
-    return final.stat().st_size, len(done), skipped
+            return None  # removed meanwhile (its last row went)
+        records: list[list[memoryview]] = []
+        kept: list[tuple[bytes, int]] = []
+        skipped = 0
+        for key, offset, nbytes in rows:
+            record = data[offset - start : offset - start + nbytes]
+            try:
+                decode_record(
+                    record,
+                    expected_key=key,
+                    expected_layout=layout_fingerprint,
+                    keyring=self._keyring,
+                )
+            except EncryptionKeyError:
+                pass  # the CRC32C checked out; only the payload is sealed under a key this process lacks
+            except (CorruptBlockError, LayoutMismatchError):
+                skipped += 1
+                continue
+            records.append([record])
+            kept.append((key, offset))
+        if not records:
+            return None
+        new_id = self._files.new_id()
+        final = self._files.segment_path(new_id)
+        segment = PendingSegment(self._files.temp_for(final), final, records, [])
+        write_segment(segment)
+        if segment.error is not None:
+            raise segment.error
+        moves = [
+            (key, segment_id, old_offset, new_id, new_offset)
+            for (key, old_offset), new_offset in zip(kept, segment.offsets, strict=True)
+        ]
+        done = self._blocks.move_to_segment(moves)
+        for key in done:
+            self._cache.forget(key)
+        if not done:
+            final.unlink(missing_ok=True)
+            return None
+        if self._blocks.segment_refs(segment_id) == 0:
+            old_path.unlink(missing_ok=True)
+        return final.stat().st_size, len(done), skipped

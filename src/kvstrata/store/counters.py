@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, KVStrataError, LayoutMismatchError
 from kvstrata.store.latency import LatencyHistogram
-from kvstrata.store.tiers.base import TierLevel
+from kvstrata.tiering import TierLevel
 
 
 @dataclass(slots=True)
@@ -67,6 +67,10 @@ class StoreCounters:
 
     def checkpointed(self, seconds: float) -> None:
         self.checkpoint.observe(seconds)
+
+    def of(self, level: TierLevel) -> TierCounters:
+        """The counters of tier ``level``."""
+        return self.tiers[level]
 
     def unreadable(self, exc: KVStrataError, where: str, log: logging.Logger) -> None:
         """A block read from ``where`` failed verification: counted, logged, treated as missing

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from kvstrata.config import StoreConfig
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import StoreCounters
-from kvstrata.store.tiers.base import Tier, TierLevel
+from kvstrata.store.tiers.base import BatchWrites, BulkIndex, Tier, TierLevel, WriteBatch
 from kvstrata.store.writer import BackgroundWriter
 
 _BATCH_BLOCKS = 4096
@@ -28,22 +27,6 @@ usually ends a batch first."""
 _LINGER_S = 0.02
 """How long the writer waits for the next block of a checkpoint being appended (see
 :mod:`kvstrata.store.writer`)."""
-
-
-def stored_codecs(disk: Tier, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
-    """The codec of each of ``keys`` that ``disk`` holds: one index query for all where the tier
-    answers for many keys at once (one query a key took about 0.07 ms, and the checkpoint asked
-    for every block twice)."""
-    placements = getattr(disk, "placements", None)
-    if placements is None:
-        return {key: codec for key in keys if (codec := disk.codec_of(key)) is not None}
-    return {key: placement.codec for key, placement in placements(keys).items()}
-
-
-def absent(disk: Tier, keys: Sequence[BlockKey]) -> list[BlockKey]:
-    """The ``keys`` ``disk`` does not hold, in order (see :func:`stored_codecs`)."""
-    stored = stored_codecs(disk, keys)
-    return [key for key in keys if key not in stored]
 
 
 class DiskWriter:
@@ -59,6 +42,9 @@ class DiskWriter:
         """``seal``: the block carrying the namespace it is encrypted under; ``after_write``: called
         with each block once it is durable (the remote mirror's write-behind)."""
         self.disk = disk
+        # the tier's optional capabilities, checked once
+        self._index = disk if isinstance(disk, BulkIndex) else None
+        self._batches = disk if isinstance(disk, BatchWrites) else None
         self.counters = counters
         self._seal = seal
         self._after_write = after_write
@@ -66,7 +52,7 @@ class DiskWriter:
         self._replace: set[BlockKey] = set()
         self._writer = BackgroundWriter(
             write_many=self._write_many,
-            open_stream=self._open_stream if hasattr(disk, "open_batch") else None,
+            open_stream=self._open_stream if self._batches is not None else None,
             max_batch_blocks=_BATCH_BLOCKS,
             linger_s=_LINGER_S,
             max_queue_bytes=config.writer_queue_bytes,
@@ -109,14 +95,42 @@ class DiskWriter:
     def durable(self, key: BlockKey) -> bool:
         return self.disk.contains(key)
 
+    def stored_codecs(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+        """The codec of each of ``keys`` that L3 holds: one index query for all where the tier
+        answers for many keys at once (one query a key took about 0.07 ms, and the checkpoint
+        asked for every block twice)."""
+        if self._index is None:
+            return {key: codec for key in keys if (codec := self.disk.codec_of(key)) is not None}
+        return {key: placement.codec for key, placement in self._index.placements(keys).items()}
+
+    def absent(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` L3 does not hold, in order (see :meth:`stored_codecs`)."""
+        stored = self.stored_codecs(keys)
+        return [key for key in keys if key not in stored]
+
     def _write_many(self, blocks: list[KVBlock]) -> list[Exception | None]:
         """One batch: sealed, written with the tier's group commit when it has one."""
-        stream = _Stream(self, None)
+        stream = _Stream(
+            None, prepare=self._prepared, write=self._write_now, done=self._written, saved=self._saved
+        )
         stream.add(blocks)
         return stream.commit()
 
     def _open_stream(self) -> _Stream:
-        return _Stream(self, self.disk.open_batch())  # type: ignore[attr-defined]
+        assert self._batches is not None
+        return _Stream(
+            self._batches.open_batch(),
+            prepare=self._prepared,
+            write=self._write_now,
+            done=self._written,
+            saved=self._saved,
+        )
+
+    def _write_now(self, ready: list[KVBlock], replace: set[BlockKey]) -> list[Exception | None]:
+        """Write sealed blocks at once: one group commit, or one ``put`` each on a tier without."""
+        if self._batches is not None:
+            return self._batches.put_many(ready, replace=replace)
+        return [self._put_one(b, b.key in replace) for b in ready]
 
     def _prepared(
         self, blocks: list[KVBlock], errors: list[Exception | None]
@@ -130,7 +144,7 @@ class DiskWriter:
             except TierUnavailableError as exc:  # no namespace to encrypt it under
                 errors[i] = exc
         replace: set[BlockKey] = set()
-        stored = stored_codecs(self.disk, [block.key for block in ready])
+        stored = self.stored_codecs([block.key for block in ready])
         for block in ready:
             current = stored.get(block.key)
             # a different codec is an upgrade (exact KV recomputed) or a re-encode down the ladder
@@ -173,7 +187,7 @@ class DiskWriter:
         """Write ``keys`` to L3 and wait; ``source(key)`` gives a block from memory (encoded for
         L3). The keys that could not be made durable (not found anywhere, or L3 failing) are
         returned."""
-        wanted = absent(self.disk, list(dict.fromkeys(keys)))
+        wanted = self.absent(list(dict.fromkeys(keys)))
         for key in wanted:
             if self._writer.is_pending(key):
                 continue
@@ -192,11 +206,24 @@ class DiskWriter:
 
 class _Stream:
     """A group commit of the writer: blocks sealed and added as they come (into the disk tier's
-    open batch, or kept for one ``put_many`` / ``put`` per block on a tier without batches)."""
+    open batch, or kept for one ``write`` at the commit on a tier without batches). ``prepare``
+    seals blocks and says which stored copies they replace; ``done`` hears each block's result and
+    ``saved`` the time the group commit took (``add`` and ``commit``, not the waits between)."""
 
-    def __init__(self, writer: DiskWriter, batch: Any) -> None:
-        self.writer = writer
+    def __init__(
+        self,
+        batch: WriteBatch | None,
+        *,
+        prepare: Callable[[list[KVBlock], list[Exception | None]], tuple[list[KVBlock], set[BlockKey]]],
+        write: Callable[[list[KVBlock], set[BlockKey]], list[Exception | None]],
+        done: Callable[[KVBlock, Exception | None], None],
+        saved: Callable[[float, int], None],
+    ) -> None:
         self.batch = batch
+        self._prepare = prepare
+        self._write = write
+        self._done = done
+        self._saved = saved
         self.errors: list[Exception | None] = []
         self.sent: list[tuple[int, KVBlock]] = []
         """(index in errors, sealed block) of every block handed to the tier, in order."""
@@ -208,7 +235,7 @@ class _Stream:
         started = time.perf_counter()
         base = len(self.errors)
         errors: list[Exception | None] = [None] * len(blocks)
-        ready, replace = self.writer._prepared(blocks, errors)
+        ready, replace = self._prepare(blocks, errors)
         self.errors += errors
         sealed_index = [base + i for i, e in enumerate(errors) if e is None]
         self.sent += list(zip(sealed_index, ready, strict=True))
@@ -220,20 +247,15 @@ class _Stream:
 
     def commit(self) -> list[Exception | None]:
         started = time.perf_counter()
-        writer = self.writer
         if self.batch is not None:
             results = self.batch.commit()
         else:
             results = []
-            put_many = getattr(writer.disk, "put_many", None)
             for ready, replace in self._later:
-                if put_many is not None:
-                    results += put_many(ready, replace=replace)
-                else:
-                    results += [writer._put_one(b, b.key in replace) for b in ready]
+                results += self._write(ready, replace)
         for (i, block), error in zip(self.sent, results, strict=True):
             self.errors[i] = error
-            writer._written(block, error)
+            self._done(block, error)
         written = sum(1 for error in results if error is None)
-        writer._saved(self.busy_s + time.perf_counter() - started, written)
+        self._saved(self.busy_s + time.perf_counter() - started, written)
         return self.errors

@@ -17,7 +17,8 @@ from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError
 from kvstrata.store.index import Index
 from kvstrata.store.kvbin import FLAG_ENCRYPTED, decode_record, parse_header
-from kvstrata.store.tiers.disk_files import block_path, read_range, segment_path
+from kvstrata.store.tiers.disk.fileio import read_range
+from kvstrata.store.tiers.disk.files import block_path, segment_path
 
 KEY_CHECK_META = "encryption_key_check"
 _SAMPLE_BLOCKS = 64

@@ -14,6 +14,7 @@ reading and writing a session's KV is :class:`~kvstrata.store.session_io.Session
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,8 +34,9 @@ from kvstrata.keys import BlockKey, chain_key, root_key
 from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
 from kvstrata.store.block_access import BlockAccess
+from kvstrata.store.block_stats import BlockStatsTable
+from kvstrata.store.counters import StoreCounters
 from kvstrata.store.documents import SessionDocuments
-from kvstrata.store.evictor import Evictor
 from kvstrata.store.index import Index
 from kvstrata.store.keycheck import check_encryption_key
 from kvstrata.store.leasing import Leasing
@@ -43,52 +45,15 @@ from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.session_io import LoadedKV, SessionIO
 from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
 from kvstrata.store.stats import StoreStats
-from kvstrata.store.tiers.base import Tier
-from kvstrata.store.tiers.device import DeviceTier
-from kvstrata.store.tiers.disk import DiskTier
-from kvstrata.store.tiers.host import HostTier
+from kvstrata.store.tiers.building import build_tiers
+from kvstrata.store.tiers.disk.evictor import Evictor
 from kvstrata.store.tiers.remote import RedisTier
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "default"
 
-__all__ = ["DEFAULT_NAMESPACE", "KVStore", "LoadedKV", "build_tiers"]
-
-
-def build_tiers(
-    root: Path,
-    layout: KVLayout,
-    index: Index,
-    config: StoreConfig,
-    *,
-    read_only: bool = False,
-    processes: ProcessRegistry | None = None,
-) -> tuple[list[Tier], DiskTier, RedisTier | None]:
-    """The tiers ``config`` asks for: L1 on ``config.device`` and the L2 arena (empty when their
-    budget is 0), L3 in ``root``, and L4 on Redis for a writable store with a remote tier.
-    ``processes``: this process's registration (names its temp files, tells whose are dead)."""
-    keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
-    memory: list[Tier] = [
-        DeviceTier(layout, config.l1_budget_bytes, config.device),
-        HostTier(layout, config.l2_budget_bytes, pin_memory=config.pin_host_memory),
-    ]
-    disk = DiskTier(
-        root,
-        layout,
-        index,
-        config.l3_budget_bytes,
-        read_only=read_only,
-        keyring=keyring,
-        writer_token=processes.token if processes is not None else "",
-        writer_nonce=processes.nonce if processes is not None else "00000000",
-        alive=processes.alive if processes is not None else None,
-        direct_writes=config.l3_direct_writes,
-    )
-    remote = (
-        RedisTier(config.remote, layout, keyring) if config.remote is not None and not read_only else None
-    )
-    return memory, disk, remote
+__all__ = ["DEFAULT_NAMESPACE", "KVStore", "LoadedKV"]
 
 
 class KVStore(BlockAccess, Leasing, SessionIO):
@@ -124,8 +89,34 @@ class KVStore(BlockAccess, Leasing, SessionIO):
             self.layout = self.index.layout
             self.model_fingerprint = model_fingerprint
             check_encryption_key(self.root, self.index, self.config.encryption_key, read_only=read_only)
+            stats = BlockStatsTable(threading.RLock())
+            counters = StoreCounters()
+            bounded = self.config.l3_budget_bytes is not None or any(
+                q.l3_bytes is not None for q in self.config.namespace_quotas.values()
+            )
+
+            def evictor(remote: RedisTier | None) -> Evictor | None:
+                if read_only or not bounded:
+                    return None
+                return Evictor(
+                    self.index.blocks,
+                    self.index.sessions,
+                    self.root,
+                    self.config,
+                    stats,
+                    counters,
+                    live_keys=self._live_keys,
+                    held_remotely=remote.contains_many if remote is not None else None,
+                )
+
             memory, disk, remote = build_tiers(
-                self.root, self.layout, self.index, self.config, read_only=read_only, processes=self.processes
+                self.root,
+                self.layout,
+                self.index,
+                self.config,
+                read_only=read_only,
+                processes=self.processes,
+                evictor=evictor,
             )
             self.disk = disk
             self.tiered = TieredStore(
@@ -135,12 +126,9 @@ class KVStore(BlockAccess, Leasing, SessionIO):
                 disk=disk,
                 remote=remote,
                 encrypted=self.config.encryption_key is not None,
+                stats=stats,
+                counters=counters,
             )
-            if not read_only and (
-                self.config.l3_budget_bytes is not None
-                or any(q.l3_bytes is not None for q in self.config.namespace_quotas.values())
-            ):
-                disk.evictor = Evictor(self.tiered, disk, self.root, live_keys=self._live_keys)
             keyring = Keyring(self.config.encryption_key) if self.config.encryption_key is not None else None
             self.documents = SessionDocuments(
                 self.index.documents,

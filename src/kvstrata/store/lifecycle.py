@@ -33,7 +33,7 @@ from kvstrata.errors import KVStrataError, SessionBusyError, StoreBusyError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store import KVStore
-from kvstrata.store.compaction import compact_segments
+from kvstrata.store.compaction import Compactor
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.tiers.disk import parse_file_name
 
@@ -87,7 +87,11 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
         moved, archived = _age_to_cold(store, config, now)
         compacted = None
         if config.compact_hole_fraction is not None:
-            compacted = compact_segments(store.disk, config.compact_hole_fraction)
+            disk = store.disk
+            compactor = Compactor(
+                disk.files, disk.cache, store.index.blocks, store.layout, disk.records.keyring
+            )
+            compacted = compactor.compact(config.compact_hole_fraction)
         orphans = _remove_orphans(store, now - config.grace_s)
     return GcReport(
         deleted,
@@ -171,7 +175,7 @@ def _remove_orphans(store: KVStore, older_than: float) -> int:
     alone (for an hour at most); so are files younger than the grace period."""
     orphans = 0
     registry = store.processes
-    for path, cold in store.disk.iter_files():
+    for path, cold in store.disk.files.iter_files():
         parsed = parse_file_name(path.name)
         file_id = ""
         if parsed is not None:
@@ -191,7 +195,7 @@ def _remove_orphans(store: KVStore, older_than: float) -> int:
         except FileNotFoundError:
             continue
         orphans += 1
-    for segment_id, path in store.disk.iter_segments():
+    for segment_id, path in store.disk.files.iter_segments():
         if segment_id is not None and store.index.blocks.segment_refs(segment_id) > 0:
             continue
         try:

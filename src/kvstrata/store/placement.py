@@ -41,7 +41,7 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.demoter import Demoter
-from kvstrata.store.durability import DiskWriter, absent
+from kvstrata.store.durability import DiskWriter
 from kvstrata.store.reencoder import ReEncoder
 from kvstrata.store.remote_mirror import RemoteMirror
 from kvstrata.store.restore import Restorer
@@ -61,9 +61,13 @@ class TieredStore:
         disk: Tier,
         remote: RedisTier | None = None,
         encrypted: bool = False,
+        stats: BlockStatsTable | None = None,
+        counters: StoreCounters | None = None,
     ) -> None:
         """``memory_tiers``: top first (L1, L2); a tier with a zero budget is kept for statistics
-        but never used. ``encrypted``: blocks must carry their namespace to be written."""
+        but never used. ``encrypted``: blocks must carry their namespace to be written.
+        ``stats``/``counters``: the block statistics and counters, when the disk tier's evictor
+        shares them (made here otherwise)."""
         self.layout = layout
         self.config = config
         self.ladder = config.ladder
@@ -74,9 +78,9 @@ class TieredStore:
         self.level = self.memory_tiers[0].level if self.memory_tiers else disk.level
         self.encrypted = encrypted
         self.scorer = get_scorer(config.eviction)
-        self.counters = StoreCounters()
-        self.lock = threading.RLock()
-        self.stats = BlockStatsTable(self.lock)
+        self.counters = counters if counters is not None else StoreCounters()
+        self.stats = stats if stats is not None else BlockStatsTable(threading.RLock())
+        self.lock = self.stats.lock
         self._codecs: dict[str, Codec] = {}
         self.remote = (
             RemoteMirror(remote, self.counters, seal=self.seal, max_queue_bytes=config.writer_queue_bytes)
@@ -130,7 +134,7 @@ class TieredStore:
     def absent_from_disk(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
         """The ``keys`` L3 does not hold (one index query for all; a block another process writes
         meanwhile is written again, which the index takes as a replacement)."""
-        return set(absent(self.disk, keys))
+        return set(self.disk_writer.absent(keys))
 
     def seal(self, block: KVBlock) -> KVBlock:
         """``block`` carrying its namespace: the index records it (quotas are per namespace), and

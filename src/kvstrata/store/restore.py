@@ -6,7 +6,7 @@ straight into their slices of one destination buffer (the tensor the transformer
 - blocks in memory are copied from their tier without an intermediate copy (an L1 slot is a view
   of the device pool; an L2 entry's payload is a view of the host arena, decoded into place);
 - blocks in L3 segments (written together by a checkpoint) are read as large sequential ranges in
-  the caller's thread (:mod:`~kvstrata.store.tiers.segment_reads`), each range verified (CRC32C,
+  the caller's thread (:mod:`~kvstrata.store.tiers.disk.segment_reads`), each range verified (CRC32C,
   key, layout) and decoded into place on the pool while the next one is read;
 - other blocks on disk are read on a thread pool, several files in flight, each into its thread's
   reusable buffer, verified and decoded into place in the same thread (file reads, CRC32C and
@@ -33,18 +33,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvstrata import codecs
 from kvstrata.codecs import CodecId, EncodedBlock, loss_rank
-from kvstrata.errors import CorruptBlockError
+from kvstrata.errors import CorruptBlockError, KVStrataError
 from kvstrata.keys import BlockKey
 from kvstrata.priority import Priority
 from kvstrata.runtime import single_threaded_torch
-from kvstrata.store.block import KVBlock
+from kvstrata.store.block import KVBlock, decode_into_room
 from kvstrata.store.counters import VERIFY_ERRORS
-from kvstrata.store.restore_stream import RETRY, SegmentStream
 from kvstrata.store.run_copies import RunCopies
-from kvstrata.store.tiers.base import TierLevel
-from kvstrata.transfer import DeviceCopier, copy_tensor, host_array
+from kvstrata.store.tiers.base import SegmentReads, TierLevel, VerifiedReads, Views
+from kvstrata.store.tiers.disk.stream import RETRY, Hit
+from kvstrata.transfer import DeviceCopier, host_array
 
 if TYPE_CHECKING:
     from kvstrata.store.placement import TieredStore
@@ -65,6 +64,27 @@ pass). 512 SmolLM2 tokens from L1 (23.6 MB): 0.87-1.16x of a memcpy streamed, 0.
 (AMD EPYC VM, 2026-12-02)."""
 
 
+class _ThreadBuffer(threading.local):
+    buffer: bytearray | None = None
+    """This thread's buffer for whole-record reads (grown as records need)."""
+
+
+class _Sink:
+    """Where a segment stream reports its hits and damaged records (``SegmentReads``)."""
+
+    def __init__(self, restorer: Restorer, buffer: torch.Tensor, priority: Priority | None) -> None:
+        self._account = restorer.account_hits
+        self._counters = restorer.tiered.counters
+        self._buffer = buffer
+        self._priority = priority
+
+    def hits(self, hits: list[Hit], started: float) -> dict[int, object]:
+        return dict(self._account(hits, self._buffer, self._priority, started))
+
+    def unreadable(self, exc: KVStrataError) -> None:
+        self._counters.unreadable(exc, "L3", log)
+
+
 class Restorer:
     def __init__(self, tiered: TieredStore, threads: int = _THREADS) -> None:
         self.tiered = tiered
@@ -72,8 +92,12 @@ class Restorer:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._local = threading.local()
-        self.segments = SegmentStream(self)
+        self._local = _ThreadBuffer()
+        # the tiers' optional capabilities, checked once
+        disk = tiered.disk
+        self._verified = disk if isinstance(disk, VerifiedReads) else None
+        self._segments = disk if isinstance(disk, SegmentReads) else None
+        self._views = [t.view if isinstance(t, Views) else t.get for t in tiered.memory_tiers]
         self.stage_host_copies = False
         """Decode host blocks through staging buffers even on the CPU (the GPU path's logic)."""
 
@@ -126,13 +150,16 @@ class Restorer:
         hits = self._memory_chain(keys[:count], buffer, copier, priority, max_loss, missing.append)
         for i, hit in hits.items():
             results[i] = hit
-        extents = self.segments.extents(keys, missing, max_loss)
+        segments = self._segments
+        extents = segments.segment_extents(keys, missing, max_loss) if segments is not None else []
         streamed = {e.position for e in extents}
         elsewhere: dict[int, Future[tuple[int, TierLevel] | None] | None] = {
             i: self.executor().submit(one, i) if count > 1 else None for i in missing if i not in streamed
         }
-        if extents:
-            for i, found in self.segments.read(extents, buffer, room, copier, priority, inference).items():
+        if segments is not None and extents:
+            sink = _Sink(self, buffer, priority)
+            read = segments.read_extents(extents, buffer, room, copier, sink, self.executor(), inference)
+            for i, found in read.items():
                 if found is RETRY:
                     elsewhere[i] = self.executor().submit(one, i)
                 else:
@@ -379,9 +406,8 @@ class Restorer:
         """A copy in a memory tier or in the writer's queue (call with the lock held). With
         ``views`` the host arena hands out a view of its memory (the caller holds the key)."""
         tiered = self.tiered
-        for tier in tiered.memory_tiers:
-            view = getattr(tier, "view", None) if views else None
-            block = view(key) if view is not None else tier.get(key)
+        for tier, view in zip(tiered.memory_tiers, self._views, strict=True):
+            block = view(key) if views else tier.get(key)
             if block is not None and tiered.acceptable(block, max_loss):
                 return block, tier.level
         pending = tiered.disk_writer.pending(key)
@@ -417,11 +443,10 @@ class Restorer:
         if max_loss is not None and loss_rank(on_disk) > max_loss:
             tiered.counters.rejected_lossy += 1
             return None
-        read = getattr(tiered.disk, "read_verified", None)
         try:
-            if read is None:  # a tier without buffered reads (the in-memory fake)
+            if self._verified is None:  # a tier without buffered reads (the in-memory fake)
                 return tiered.disk.get(key)
-            found = read(key, getattr(self._local, "buffer", None) if buffered else None)
+            found = self._verified.read_verified(key, self._local.buffer if buffered else None)
         except VERIFY_ERRORS as exc:
             tiered.counters.unreadable(exc, "L3", log)
             return None
@@ -429,22 +454,14 @@ class Restorer:
             return None
         header, encoded, data = found
         if buffered:
-            self._local.buffer = data.obj  # this thread's buffer, grown if the file needed it
+            self._local.buffer = data.obj  # type: ignore[assignment]  # this thread's buffer, grown if needed
         if max_loss is not None and loss_rank(encoded.codec) > max_loss:
             tiered.counters.rejected_lossy += 1
             return None
         return KVBlock(key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
 
     def decode(self, block: KVBlock, room: torch.Tensor, copier: DeviceCopier) -> None:
-        dest = room[:, :, :, : block.num_tokens]
-        if block.tensor is not None:
-            copy_tensor(dest, block.tensor)
-        elif not copier.staged:
-            codecs.decode_into(_encoded(block), self.layout, dest)
-        else:
-            staged = copier.stage(tuple(dest.shape), dest.dtype)
-            codecs.decode_into(_encoded(block), self.layout, staged)
-            copier.commit(dest, staged)
+        decode_into_room(block, room, copier, self.layout)
 
     def _resident(self, block: KVBlock, room: torch.Tensor) -> KVBlock:
         """``block`` for promotion: its decoded tensor is its slice of the destination (memory
@@ -452,11 +469,6 @@ class Restorer:
         tensor = room[:, :, :, : block.num_tokens]
         encoded = block.encoded if block.tensor is None and _owned(block.encoded) else None
         return KVBlock(block.key, block.num_tokens, block.start_pos, tensor, encoded, block.namespace)
-
-
-def _encoded(block: KVBlock) -> EncodedBlock:
-    assert block.encoded is not None
-    return block.encoded
 
 
 def _owned(encoded: EncodedBlock | None) -> bool:

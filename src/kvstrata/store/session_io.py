@@ -300,7 +300,7 @@ class SessionIO:
                 break
             session.version -= 1
             for key in gone:
-                self.disk.forget_cached(BlockKey(key))  # written again from memory next round
+                self.disk.cache.forget(BlockKey(key))  # written again from memory next round
         else:
             raise TierUnavailableError(
                 f"checkpoint of {session.namespace}/{session.id} failed: its blocks kept being removed by "

@@ -131,7 +131,7 @@ def collect(store: KVStore) -> StoreStats:
         store.index.sessions.count(),
         tiers,
         c.corrupt_blocks + totals.get("corrupt_blocks", 0),
-        len(store.disk.lost) + totals.get("lost_blocks", 0),
+        len(store.disk.records.lost) + totals.get("lost_blocks", 0),
         c.dropped_dirty + totals.get("dropped_dirty", 0),
         c.write_failures + totals.get("write_failures", 0),
         store.tiered.disk_writer.outage,

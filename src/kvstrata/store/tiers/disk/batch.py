@@ -17,23 +17,22 @@ import errno
 import logging
 import os
 import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
-from kvstrata.store._native_crc import crc32c_of
 from kvstrata.store.block import KVBlock
 from kvstrata.store.index import BlockRow
-from kvstrata.store.index.block_rows import Placement
-from kvstrata.store.kvbin import record_trailer
-from kvstrata.store.tiers.direct_writes import DirectFile, DirectWriteRefused
-from kvstrata.store.tiers.disk_files import drop_page_cache, fsync_dir, start_writeback, writev_all
+from kvstrata.store.index.block_rows import BlockTable, Placement
+from kvstrata.store.tiers.disk.cache import PlacementCache
+from kvstrata.store.tiers.disk.direct_writes import DirectFile, DirectWriteRefused, DirectWrites
+from kvstrata.store.tiers.disk.fileio import drop_page_cache, fsync_dir, start_writeback, writev_all
+from kvstrata.store.tiers.disk.files import DiskFiles
+from kvstrata.store.tiers.disk.records import Pending, RecordIO
 
-if TYPE_CHECKING:
-    from kvstrata.store.tiers.disk import DiskTier
+Refusals = Callable[[Sequence[Pending], dict[str, int]], set[str]]
+"""The namespaces whose records do not fit in L3 (budget or quota, after eviction), given the
+records to add and the bytes per namespace the batch added already."""
 
 log = logging.getLogger(__name__)
 
@@ -52,44 +51,38 @@ class NoRoom(TierUnavailableError):
     """The L3 budget (or a namespace's quota) is full and nothing more could be evicted."""
 
 
-@dataclass(slots=True)
-class Pending:
-    """One block's record in the batch."""
-
-    index: int
-    block: KVBlock
-    parts: Sequence[bytes | memoryview]
-    cold: bool
-    nbytes: int
-    growth: int
-    codec: int
-    sealed: bool = True
-    """Whether ``parts`` ends with the trailer (a direct write computes it as it copies)."""
-    offset: int = 0
-    error: OSError | None = None
-
-    def seal(self) -> None:
-        """Add the trailer now (a direct write refused: the record goes through the page cache)."""
-        if not self.sealed:
-            crc = 0
-            for part in self.parts:
-                crc = crc32c_of(part, crc)
-            self.parts = [*self.parts, record_trailer(crc)]
-            self.sealed = True
-
-
 class DiskBatch:
-    def __init__(self, disk: DiskTier) -> None:
-        self.disk = disk
-        self.id = disk.writer_nonce + uuid.uuid4().hex[:12]
-        self.final = disk.segment_path(self.id)
-        self.tmp = disk.tmp_dir / f"{disk.writer_token or 'anon-0'}.{self.final.name}.tmp"
+    def __init__(
+        self,
+        files: DiskFiles,
+        records: RecordIO,
+        cache: PlacementCache,
+        blocks: BlockTable,
+        *,
+        refusals: Refusals,
+        direct_writes: DirectWrites | None,
+        budget_bytes: int | None,
+    ) -> None:
+        """``files``, ``records``, ``cache`` and ``blocks`` are the disk tier's file layer, record
+        writer, placement cache and the index's block rows; ``refusals`` says which namespaces'
+        records do not fit; ``direct_writes``: the staging buffers of writes past the page cache
+        (None: through it)."""
+        self._files = files
+        self._records = records
+        self._cache = cache
+        self._blocks = blocks
+        self._refusals = refusals
+        self._direct_writes = direct_writes
+        self._budget_bytes = budget_bytes
+        self.id = files.new_id()
+        self.final = files.segment_path(self.id)
+        self.tmp = files.temp_for(self.final)
         self.results: list[Exception | None] = []
         self._pending: list[Pending] = []
         self._fd: int | None = None
         self._direct: DirectFile | None = None
         """The batch's file when it is written past the page cache (``_fd`` is then its fd)."""
-        self._direct_wanted = disk.direct_writes is not None and not disk.direct_writes.refused
+        self._direct_wanted = direct_writes is not None and not direct_writes.refused
         self._size = 0
         self._written_back = 0
         """Bytes from the start of the file whose writeback has been started."""
@@ -100,24 +93,23 @@ class DiskBatch:
     def add(self, blocks: Sequence[KVBlock], replace: set[BlockKey] | None = None) -> None:
         """Append the records of ``blocks`` (those not stored yet, or whose key is in ``replace``)
         to the batch's file; results come with :meth:`commit`, in the order blocks were added."""
-        disk = self.disk
         base = len(self.results)
         self.results += [None] * len(blocks)
         replace = replace or set()
-        stored = disk.placements([block.key for block in blocks])  # one index query for the batch
+        stored = self._cache.many([block.key for block in blocks])  # one index query for the batch
         writes = [
-            disk.prepare(base + i, block, previous, checksum=not self._direct_wanted)
+            self._records.prepare(base + i, block, previous, checksum=not self._direct_wanted)
             for i, block in enumerate(blocks)
             if (previous := stored.get(block.key)) is None or block.key in replace
         ]
-        refused = disk.refused(writes, self._growth)
+        refused = self._refusals(writes, self._growth)
         accepted = []
         for w in writes:
             namespace = w.block.namespace or ""
             if namespace in refused:
                 self.results[w.index] = NoRoom(
                     f"no room in L3 for namespace {w.block.namespace or '(unknown)'}: its quota or "
-                    f"the budget of {disk.budget_bytes} bytes is full of blocks that may not be evicted"
+                    f"the budget of {self._budget_bytes} bytes is full of blocks that may not be evicted"
                 )
                 continue
             self._growth[namespace] = self._growth.get(namespace, 0) + w.growth
@@ -160,7 +152,7 @@ class DiskBatch:
 
     def _open(self) -> None:
         """Create the batch's temp file: past the page cache where the tier writes so."""
-        direct = self.disk.direct_writes
+        direct = self._direct_writes
         if self._direct_wanted and direct is not None and not direct.refused:
             try:
                 self._direct = direct.open(self.tmp)
@@ -182,10 +174,10 @@ class DiskBatch:
             w.sealed = True
 
     def _refused(self) -> None:
-        direct = self.disk.direct_writes
+        direct = self._direct_writes
         if direct is not None and not direct.refused:
             direct.refused = True
-            log.warning("%s refused a direct write; L3 writes go through the page cache", self.disk.tmp_dir)
+            log.warning("%s refused a direct write; L3 writes go through the page cache", self.tmp.parent)
 
     def _rewrite_buffered(self, records: list[Pending]) -> None:
         """The file system refused a direct write midway: write ``records`` (every record of the
@@ -225,7 +217,7 @@ class DiskBatch:
         if written:
             final = self.final
             if own_file:
-                final = self.disk.path_for(written[0].block.key, written[0].cold, self.id)
+                final = self._files.path_for(written[0].block.key, written[0].cold, self.id)
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(self.tmp, final)
@@ -256,7 +248,6 @@ class DiskBatch:
 
     def _index(self, written: list[Pending], own_file: bool) -> None:
         """Only now, with the records durable under their final name, does the index learn of them."""
-        disk = self.disk
         now = time.time()
         rows = [
             BlockRow(
@@ -275,9 +266,10 @@ class DiskBatch:
             )
             for w in written
         ]
-        replaced = disk.index.blocks.put_many(rows)
+        replaced = self._blocks.put_many(rows)
         for row, old in zip(rows, replaced, strict=True):
             placement = Placement(row.cold, row.nbytes, row.codec, row.num_tokens, row.file_id, row.offset)
-            disk.remember(row.key, placement)
+            self._cache.remember(row.key, placement)
+            self._records.found(row.key)
             if old is not None:  # its file is ours to remove now (ours, or another process's copy)
-                disk.release(row.key, old)
+                self._files.release(row.key, old)

@@ -5,7 +5,9 @@ all its ranges in one native call.
 :class:`NativeReads` makes the scatter lists of every range of a restore as one array of
 ``struct iovec`` (numpy, in one go) and reads them with ``_native_crc.start_preadv_ranges`` on a
 native thread while the caller checks (or decodes) each range as soon as its read is published
-(:meth:`~kvstrata.store.restore_stream.SegmentStream.read` uses it when the helpers are built).
+(:meth:`~kvstrata.store.tiers.disk.stream.SegmentStream.read` uses it when the helpers are built).
+:func:`scatter` makes the scatter list of a range of exact records and :func:`check` checks such a
+record where it landed.
 A range of exact records goes straight into its slices of the destination; a range holding
 records to decode (int8, KIVI...) goes into one of a few buffers that the decoders hand back
 (a gate: the native loop reads into a buffer only once its previous range is decoded).
@@ -24,6 +26,8 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from kvstrata.codecs.base import CodecId
+from kvstrata.errors import CorruptBlockError
 from kvstrata.store._native_crc import (
     NOT_READ,
     Gate,
@@ -32,8 +36,8 @@ from kvstrata.store._native_crc import (
     preadv_ranges,
     start_preadv_ranges,
 )
-from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES
-from kvstrata.store.tiers.segment_reads import Chunk, Extent
+from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, RecordHeader, parse_header
+from kvstrata.store.tiers.disk.segment_reads import Chunk, Extent
 
 
 @dataclass(slots=True)
@@ -63,6 +67,80 @@ class InPlace:
         for run in self.runs():
             crc = crc32c.crc32c(run, crc, _RELEASE_GIL)
         return crc
+
+
+def all_exact(extents: Sequence[Extent], token_bytes: int) -> bool:
+    """Whether every record is exact (identity codec, no params: ``token_bytes`` a token), so it
+    can be read straight into place."""
+    framing = HEADER_BYTES + TRAILER_BYTES
+    return all(
+        e.placement.codec == CodecId.IDENTITY
+        and e.placement.nbytes == framing + e.placement.num_tokens * token_bytes
+        for e in extents
+    )
+
+
+def scatter(
+    chunk: Chunk, rows: np.ndarray, per_token: int, flat: memoryview, address: int, block_tokens: int
+) -> dict[int, InPlace]:
+    """Give ``chunk`` a scatter list when every record in it is exact (identity codec, no
+    params): each record's payload runs (one per K/V, layer and head: ``rows`` are their
+    offsets in the destination ``flat``) go to their slices of the destination; its header,
+    its trailer and the holes between records go to scratch. Where each record landed, by
+    position (nothing when the chunk is read the buffered way)."""
+    bt = block_tokens
+    framing = HEADER_BYTES + TRAILER_BYTES
+    if not all_exact(chunk.extents, len(rows) * per_token):
+        return {}
+    payload = sum(extent.placement.nbytes - framing for extent in chunk.extents)
+    scratch = memoryview(bytearray(chunk.end - chunk.start - payload))
+    used = 0
+    iov: list[memoryview] = []
+    where: dict[int, InPlace] = {}
+    at = chunk.start
+    for extent in chunk.extents:
+        gap = extent.offset - at
+        if gap:
+            iov.append(scratch[used : used + gap])
+            used += gap
+        header = scratch[used : used + HEADER_BYTES]
+        trailer = scratch[used + HEADER_BYTES : used + framing]
+        used += framing
+        run = extent.placement.num_tokens * per_token
+        first = extent.position * bt * per_token
+        runs = [flat[first + row : first + row + run] for row in rows.tolist()]
+        iov.append(header)
+        iov += runs
+        iov.append(trailer)
+        where[extent.position] = InPlace(header, trailer, flat, first, address + first, rows, run)
+        at = extent.offset + extent.placement.nbytes
+    chunk.scatter = iov
+    return where
+
+
+def check(chunk: Chunk, extent: Extent, where: InPlace, layout_fingerprint: bytes) -> RecordHeader | None:
+    """The header of a record read straight into place, once checked (header fields, CRC32C over
+    the slices it landed in); None when it is not the record the index promised (the per-block
+    read then quarantines it, or finds where it went)."""
+    if chunk.got < extent.offset + extent.placement.nbytes - chunk.start:
+        return None  # the file ends early
+    try:
+        header = parse_header(where.header, chunk.path)
+    except CorruptBlockError:
+        return None
+    crc = where.crc(crc32c.crc32c(where.header))
+    if (
+        header.key != extent.key
+        or header.layout_fingerprint != layout_fingerprint
+        or header.codec != CodecId.IDENTITY
+        or header.encrypted
+        or header.params_len != 0
+        or header.num_tokens != extent.placement.num_tokens
+        or header.total_bytes != extent.placement.nbytes
+        or crc != int.from_bytes(where.trailer, "little")
+    ):
+        return None
+    return header
 
 
 _RELEASE_GIL = 1
@@ -115,12 +193,12 @@ class NativeReads:
         previous_end = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         previous_end[starts] = [c.start for c in read_in_place]  # a range starts at its first record
         gaps = offsets - previous_end
-        self.headers = np.zeros(max(1, count) * framing, dtype=np.uint8)
-        self._hole = np.zeros(max(1, int(gaps.max(initial=0))), dtype=np.uint8)
-        header_at = self.headers.ctypes.data + np.arange(count, dtype=np.int64) * framing
+        headers = self.headers = np.zeros(max(1, count) * framing, dtype=np.uint8)
+        hole = self._hole = np.zeros(max(1, int(gaps.max(initial=0))), dtype=np.uint8)
+        header_at = headers.ctypes.data + np.arange(count, dtype=np.int64) * framing
         width = len(rows) + 3  # hole, header, runs, trailer
         iovs = np.empty((count, width, 2), dtype=np.uint64)
-        iovs[:, 0, 0] = self._hole.ctypes.data
+        iovs[:, 0, 0] = hole.ctypes.data
         iovs[:, 0, 1] = gaps
         iovs[:, 1, 0] = header_at
         iovs[:, 1, 1] = HEADER_BYTES

@@ -1,4 +1,5 @@
-"""The files of the disk tier: their names, crash-safe batch writes, and reads into buffers.
+"""Low-level file I/O of the disk tier: crash-safe writes of records and segments, reads of whole
+files and ranges into buffers, page-cache hints.
 
 A batch of block records is written the way a checkpoint needs it, with as few waits as the
 layout allows: each record goes to its own temp file (one ``writev`` of header, params, payload
@@ -11,18 +12,10 @@ after all that is durable does the caller commit the index rows (one transaction
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-from kvstrata.keys import BlockKey
-from kvstrata.store.processes import is_token
-
-_STALE_TEMP_S = 3600.0
-"""A temp file of an unknown writer (written before writers were named) is a leftover once this
-old: no write takes that long."""
 
 _HAS_FADVISE = hasattr(os, "posix_fadvise")
 _IOV_MAX = 1024
@@ -49,30 +42,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def block_path(root: Path, key: bytes, cold: bool, file_id: str) -> Path:
-    """``root/{hot,cold}/<first 2 hex>/<key hex>.<file id>.kvbin`` (no file id: before format 2)."""
-    name = key.hex()
-    file = f"{name}.{file_id}.kvbin" if file_id else f"{name}.kvbin"
-    return root / ("cold" if cold else "hot") / name[:2] / file
-
-
-def parse_file_name(name: str) -> tuple[BlockKey, str] | None:
-    """(key, file id) of a block file's name; None for a name that is not one."""
-    parts = name.split(".")
-    if parts[-1] != "kvbin" or len(parts) not in (2, 3):
-        return None
-    try:
-        key = bytes.fromhex(parts[0])
-    except ValueError:
-        return None
-    return (BlockKey(key), parts[1] if len(parts) == 3 else "") if len(key) == 32 else None
-
-
-def file_id_of(path: Path) -> str | None:
-    parsed = parse_file_name(path.name)
-    return parsed[1] if parsed is not None else None
 
 
 @dataclass(slots=True)
@@ -107,7 +76,8 @@ def _write_one(item: PendingFile) -> None:
             drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
         finally:
             os.close(fd)
-        item.final.parent.mkdir(exist_ok=True)
+        final = item.final
+        final.parent.mkdir(exist_ok=True)
         os.replace(item.tmp, item.final)
     except OSError as exc:
         item.error = exc
@@ -164,46 +134,6 @@ def read_file(path: Path, buffer: bytearray | None, *, cold: bool) -> memoryview
     return view[:got]
 
 
-def remove_dead_temp_files(tmp_dir: Path, alive: Callable[[str], bool] | None) -> int:
-    """Drop the temp files of writers that are gone (a write that never reached its rename was
-    never visible); another live process's writes in progress are left alone. How many went."""
-    count = 0
-    now = time.time()
-    for entry in os.scandir(tmp_dir):
-        token = entry.name.split(".", 1)[0]
-        try:
-            if is_token(token):  # <writer token>.<key>.<file id>.kvbin.tmp
-                dead = alive is None or not alive(token)
-            else:  # written before writers were named
-                dead = now - entry.stat().st_mtime > _STALE_TEMP_S
-            if dead:
-                os.unlink(entry.path)
-                count += 1
-        except FileNotFoundError:
-            continue  # its writer renamed or removed it meanwhile
-    return count
-
-
-# -- segments: the records of one batch back to back in one file ------------------------------------
-SEGMENTS_DIR = "segments"
-SEGMENT_SUFFIX = ".kvseg"
-
-
-def segment_path(root: Path, segment_id: str) -> Path:
-    """``root/segments/<segment id>.kvseg``: one directory (a segment holds a whole checkpoint, so
-    there are few; a new shard directory would cost its creation's journal commit on the write
-    path, up to 100 ms on this machine)."""
-    return root / SEGMENTS_DIR / f"{segment_id}{SEGMENT_SUFFIX}"
-
-
-def parse_segment_name(name: str) -> str | None:
-    """The segment id of a segment file's name; None for a name that is not one."""
-    if not name.endswith(SEGMENT_SUFFIX):
-        return None
-    stem = name[: -len(SEGMENT_SUFFIX)]
-    return stem if stem and "." not in stem else None
-
-
 @dataclass(slots=True)
 class PendingSegment:
     """Records on their way to one segment file ``final`` through ``tmp``; ``offsets`` says
@@ -233,7 +163,8 @@ def write_segment(item: PendingSegment) -> None:
             drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
         finally:
             os.close(fd)
-        item.final.parent.mkdir(parents=True, exist_ok=True)
+        final = item.final
+        final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(item.tmp, item.final)
         fsync_dir(item.final.parent)
     except OSError as exc:

@@ -74,12 +74,11 @@ class DirectWriteRefused(OSError):
 
 
 class DirectWrites:
-    """A disk tier's means for direct writes: its I/O threads, and the process's kept staging
-    buffers."""
+    """A disk tier's means for direct writes: the files it opens share its staging (I/O threads
+    and the process's kept staging buffers)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._staging = Staging()
         self.refused = False
         """The file system refused a direct write: the tier writes through the page cache."""
 
@@ -92,7 +91,18 @@ class DirectWrites:
             if exc.errno == errno.EINVAL:
                 raise DirectWriteRefused(exc.errno, f"{path}: {exc.strerror}") from exc
             raise
-        return DirectFile(self, fd)
+        return DirectFile(self._staging, fd)
+
+    def close(self) -> None:
+        self._staging.close()
+
+
+class Staging:
+    """Staging buffers (the process keeps a few) and the I/O threads that write them out."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def take(self) -> mmap.mmap:
         """A staging buffer (page-aligned: an anonymous mapping), a kept one if any."""
@@ -141,8 +151,8 @@ class DirectFile:
     whenever fewer than ``IN_FLIGHT`` writes are under way (the disk never waits for a buffer to
     fill). Errors of earlier writes come out of a later call."""
 
-    def __init__(self, owner: DirectWrites, fd: int) -> None:
-        self.owner = owner
+    def __init__(self, staging: Staging, fd: int) -> None:
+        self._staging = staging
         self.fd = fd
         self.size = 0
         """Bytes written so far (the file's length once finished)."""
@@ -195,9 +205,9 @@ class DirectFile:
             future, buffer = self._inflight.popleft()
             future.exception()  # waits; the error, if any, was reported or is moot now
             if buffer is not None:
-                self.owner.give_back(buffer)
+                self._staging.give_back(buffer)
         if self._buffer is not None:
-            self.owner.give_back(self._buffer)
+            self._staging.give_back(self._buffer)
             self._buffer = self._array = None
         os.close(self.fd)
 
@@ -233,7 +243,7 @@ class DirectFile:
         # a buffer to fill while at most IN_FLIGHT others are being written
         while sum(buffer is not None for _, buffer in self._inflight) >= IN_FLIGHT:
             self._pop()
-        self._buffer = self.owner.take()
+        self._buffer = self._staging.take()
         self._array = np.frombuffer(self._buffer, dtype=np.uint8)
         self._fill = self._sent = 0
 
@@ -242,7 +252,7 @@ class DirectFile:
         assert self._buffer is not None
         if end > self._sent:
             view = memoryview(self._buffer)[self._sent : end]
-            future = self.owner.submit(self.fd, view, self._offset + self._sent)
+            future = self._staging.submit(self.fd, view, self._offset + self._sent)
         else:  # nothing left to write: the buffer only waits for its earlier writes
             future = _DONE
         self._inflight.append((future, self._buffer if last else None))
@@ -266,7 +276,7 @@ class DirectFile:
             raise
         finally:
             if buffer is not None:
-                self.owner.give_back(buffer)
+                self._staging.give_back(buffer)
 
 
 _DONE: Future[int] = Future()

@@ -30,28 +30,28 @@ import errno
 import itertools
 import logging
 import queue
-import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Protocol
 
-import crc32c
 import numpy as np
 import torch
 
-from kvstrata.codecs import CodecId, loss_rank
-from kvstrata.errors import CorruptBlockError
+from kvstrata.codecs import loss_rank
+from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
-from kvstrata.priority import Priority
+from kvstrata.layout import KVLayout
 from kvstrata.store._native_crc import LIBRARY
-from kvstrata.store.block import KVBlock
+from kvstrata.store.block import KVBlock, decode_into_room
 from kvstrata.store.counters import VERIFY_ERRORS
-from kvstrata.store.in_place import DIRECT_ALIGN, InPlace, NativeReads
-from kvstrata.store.kvbin import HEADER_BYTES, TRAILER_BYTES, parse_header
-from kvstrata.store.tiers.base import TierLevel
-from kvstrata.store.tiers.segment_reads import (
-    CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
+from kvstrata.store.index.block_rows import BlockTable
+from kvstrata.store.tiers.disk import range_buffers
+from kvstrata.store.tiers.disk.cache import PlacementCache
+from kvstrata.store.tiers.disk.files import DiskFiles
+from kvstrata.store.tiers.disk.in_place import DIRECT_ALIGN, InPlace, NativeReads, all_exact, check, scatter
+from kvstrata.store.tiers.disk.records import RecordIO
+from kvstrata.store.tiers.disk.segment_reads import (
     Chunk,
     Extent,
     cached,
@@ -60,43 +60,50 @@ from kvstrata.store.tiers.segment_reads import (
     prefetch,
     read_chunks,
 )
+from kvstrata.tiering import TierLevel
 from kvstrata.transfer import DeviceCopier, host_array
-
-if TYPE_CHECKING:
-    from kvstrata.store.restore import Restorer
 
 log = logging.getLogger(__name__)
 
 STREAM_BUFFERS = 3
 """Ranges in memory at once per restore read from Python: one being read, two being decoded."""
-NATIVE_SLOT_BYTES = 64 << 20
-"""Bytes of buffers per restore for the ranges the native loop reads to be decoded: a buffer for
-every range when they fit, so that the loop never waits for a decoder (each wait leaves the disk
-idle: an int8 restore of 512 SmolLM2 tokens, 8 ranges, took 8.7-9.1 ms with 4 buffers and
-7.8-7.9 with 8; with 16 or 40 the same, alternated in one process), else as many as fit. Direct
-reads have no readahead to go on while the loop waits: an int8 restore of 4,096 tokens (52 MB)
-read direct took 1.06x the time of the page-cache reads with 32 MiB of buffers, 0.80x with 64 and
-0.75x with 128; an exact one (189 MB) 0.94x, 1.01x and 1.29x (memory past ``KEPT_BYTES`` is
-fresh, and faults page by page)."""
-NATIVE_MIN_SLOTS = 4
-"""Buffers for such ranges at least: one per decoder and two for the loop to read ahead into."""
-KEPT_BYTES = 2 * NATIVE_SLOT_BYTES
-"""Bytes of range buffers the process keeps between restores (two restores' worth), whichever
-store they serve: a fresh buffer is fresh memory, which this VM's kernel zeroes page by page on
-first touch. Kept per store, the first int8 restore of a store just opened allocated 3 of 4 MiB
-and took 14.5 against 8.6 ms for the next one (512 SmolLM2 tokens)."""
-_kept: list[bytearray] = []
-_kept_lock = threading.Lock()
-_DECODERS = 2
-"""Threads decoding the ranges of records that are not read in place (a decode costs more than a
-read: int8 and KIVI dequantize every value)."""
 RETRY = object()
 """A streamed record that could not be served from its range: read again the per-block way."""
 
+Hit = tuple[int, KVBlock, TierLevel]
+Room = Callable[[int], torch.Tensor]
+"""Block ``i``'s slice of the restore's buffer."""
+
+
+class StreamSink(Protocol):
+    """Where a stream reports what it read: the blocks served (``(position, block, tier)``, each
+    already in its slice of the buffer; the answer is per position what the caller makes of it)
+    and the records that failed verification."""
+
+    def hits(self, hits: list[Hit], started: float) -> dict[int, object]: ...
+
+    def unreadable(self, exc: KVStrataError) -> None: ...
+
 
 class SegmentStream:
-    def __init__(self, restorer: Restorer) -> None:
-        self.restorer = restorer
+    """The disk tier's reads of whole ranges of segments (see the module's notes)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        files: DiskFiles,
+        records: RecordIO,
+        cache: PlacementCache,
+        blocks: BlockTable,
+        *,
+        direct_reads: bool = True,
+    ) -> None:
+        self._layout = layout
+        self._files = files
+        self._records = records
+        self._cache = cache
+        self._blocks = blocks
+        self._direct_reads = direct_reads
         self.direct_refused = False
         """The file system refused a direct read (``EINVAL``: it wants another alignment): this
         store's restores read through the page cache from then on."""
@@ -106,10 +113,9 @@ class SegmentStream:
     ) -> list[Extent]:
         """The blocks at ``positions`` that L3 holds in segments, in a codec the caller accepts
         (the others take the per-block path); none unless at least two."""
-        placements_of = getattr(self.restorer.tiered.disk, "placements", None)
-        if placements_of is None or len(positions) < 2:
+        if len(positions) < 2:
             return []
-        placements = placements_of([keys[i] for i in positions])
+        placements = self._cache.many([keys[i] for i in positions])
         extents = []
         for i in positions:
             placement = placements.get(keys[i])
@@ -125,23 +131,23 @@ class SegmentStream:
         self,
         extents: list[Extent],
         buffer: torch.Tensor,
-        room: Any,
+        room: Room,
         copier: DeviceCopier,
-        priority: Priority | None,
+        sink: StreamSink,
+        pool: Executor,
         inference: bool,
     ) -> dict[int, object]:
-        """Read ``extents`` range by range while they are verified and decoded as they come in:
-        with the native helpers built, every range by one native call on a thread of its own
-        while this thread (and, for records to decode, the pool's) checks them; else in this
-        thread while the pool verifies and decodes. Per position, what ``Restorer.read_into``
-        would return, or ``RETRY``."""
-        disk = self.restorer.tiered.disk
-        token_bytes = self.restorer.layout.bytes_per_token
-        bt = self.restorer.layout.block_tokens
-        scatter = self._may_scatter(buffer, copier)
-        exact = scatter and _all_exact(extents, token_bytes)
+        """Read ``extents`` range by range into ``buffer`` (block ``i`` into ``room(i)``) while
+        they are verified and decoded as they come in: with the native helpers built, every range
+        by one native call on a thread of its own while this thread (and, for records to decode,
+        ``pool``'s) checks them; else in this thread while ``pool`` verifies and decodes. The hits
+        go to ``sink`` as they come; per position, what the sink made of a hit, or ``RETRY``."""
+        token_bytes = self._layout.bytes_per_token
+        bt = self._layout.block_tokens
+        may_scatter = self._may_scatter(buffer, copier)
+        exact = may_scatter and all_exact(extents, token_bytes)
         segments = {e.placement.file_id for e in extents}
-        paths = {segment: disk.segment_path(segment) for segment in segments}
+        paths = {segment: self._files.segment_path(segment) for segment in segments}
         native = LIBRARY.loaded() is not None
         direct = native and self._direct(extents, exact) and not cached(extents, paths)
         if direct:  # from the disk into buffers, then verified and decoded (exact records copied)
@@ -149,11 +155,11 @@ class SegmentStream:
         else:
             prefetch(extents, paths)  # a small restore: the disk reads while the rest is planned
         # read in place, a range needs no buffer: larger ranges, fewer gaps between reads
-        chunk_bytes = in_place_chunk_bytes(extents) if exact else buffered_chunk_bytes(extents)
+        chunk_bytes = in_place_chunk_bytes(extents) if exact else range_buffers.buffered_chunk_bytes(extents)
         chunks = plan_chunks(extents, paths, chunk_bytes, taper=exact)
         scattered: dict[int, InPlace] = {}
         rows, per_token, flat, address = np.zeros(0, np.int64), 0, None, 0  # no scatter: no runs
-        if scatter:
+        if may_scatter:
             array = host_array(buffer).reshape(-1)
             flat = memoryview(array).cast("B")
             two, layers, heads, capacity, dim = buffer.shape
@@ -166,13 +172,13 @@ class SegmentStream:
             microseconds a record; made ahead in the verifier's thread, it held the GIL that the
             reader needed back after its first read)."""
             if flat is not None:
-                scattered.update(self._scatter(chunks[i], rows, per_token, flat, address))
+                scattered.update(scatter(chunks[i], rows, per_token, flat, address, bt))
 
         if native:  # every read in one native call, off the GIL
-            in_place = [scatter and not direct and _all_exact(chunk.extents, token_bytes) for chunk in chunks]
+            in_place = [may_scatter and not direct and all_exact(c.extents, token_bytes) for c in chunks]
             buffered = [c.end - c.start for c, placed in zip(chunks, in_place, strict=True) if not placed]
             slack = 3 * DIRECT_ALIGN if direct else 0  # aligned start, end and address
-            slots = _take_buffers(native_slots(buffered), max(buffered, default=0) + slack)
+            slots = range_buffers.take(range_buffers.native_slots(buffered), max(buffered, default=0) + slack)
             try:
                 reads = NativeReads(
                     chunks,
@@ -185,37 +191,37 @@ class SegmentStream:
                     slots=list(slots.queue),
                     direct=direct,
                 )
-                # checks of records in place are quick: one thread; decodes are not: _DECODERS
-                consumers = _DECODERS if buffered else 1
-                return self._read_native(chunks, reads, room, copier, buffer, priority, inference, consumers)
+                # checks of records in place are quick: one thread; decodes are not: DECODERS
+                consumers = range_buffers.DECODERS if buffered else 1
+                return self._read_native(chunks, reads, room, copier, sink, pool, inference, consumers)
             finally:
-                _give_back_buffers(slots)
+                range_buffers.give_back(slots)
 
-        buffers = _take_buffers(0 if exact else STREAM_BUFFERS, max(c.end - c.start for c in chunks))
+        buffers = range_buffers.take(0 if exact else STREAM_BUFFERS, max(c.end - c.start for c in chunks))
         results: dict[int, object] = {}
 
         def decode(chunk: Chunk) -> None:
             started = time.perf_counter()
-            hits: list[tuple[int, KVBlock, TierLevel]] = []
+            hits: list[Hit] = []
             try:
                 with torch.inference_mode(inference):
                     for extent in chunk.extents:
                         in_place = scattered.get(extent.position)
                         block = (
-                            self._from_chunk(chunk, extent, room, copier)
+                            self._from_chunk(chunk, extent, room, copier, sink)
                             if in_place is None
                             else self._in_place(chunk, extent, in_place, room)
                         )
                         if block is None:
                             results[extent.position] = RETRY
                         else:
-                            hits.append((extent.position, block, disk.level))
+                            hits.append((extent.position, block, TierLevel.L3))
             finally:
                 if chunk.buffer is not None:
                     buffers.put(chunk.buffer)
             if hits:
                 with torch.inference_mode(inference):  # a promotion copies into a tier's tensors
-                    results.update(self.restorer.account_hits(hits, buffer, priority, started))
+                    results.update(sink.hits(hits, started))
 
         def verifier() -> None:
             while (chunk := todo.get()) is not None:
@@ -229,8 +235,8 @@ class SegmentStream:
         # Records read in place only need a checksum: ONE thread verifies them while this one
         # reads, so the reader gets the GIL back at once when its preadv returns (more verifiers
         # only contend for it). Records to decode (int8, KIVI...) cost more than their read: two.
-        count = 1 if exact else _DECODERS
-        workers = [self.restorer.executor().submit(verifier) for _ in range(count)]
+        count = 1 if exact else range_buffers.DECODERS
+        workers = [pool.submit(verifier) for _ in range(count)]
         try:
             for chunk, error in read_chunks(chunks, buffers, before=before):
                 if error is not None:  # gone (compacted, removed) or unreadable: the per-block path decides
@@ -242,7 +248,7 @@ class SegmentStream:
                 todo.put(None)
             for worker in workers:
                 worker.result()
-            _give_back_buffers(buffers)
+            range_buffers.give_back(buffers)
         if failures:
             raise failures[0]
         return results
@@ -251,10 +257,10 @@ class SegmentStream:
         self,
         chunks: list[Chunk],
         reads: NativeReads,
-        room: Any,
+        room: Room,
         copier: DeviceCopier,
-        buffer: torch.Tensor,
-        priority: Priority | None,
+        sink: StreamSink,
+        pool: Executor,
         inference: bool,
         consumers: int,
     ) -> dict[int, object]:
@@ -272,7 +278,7 @@ class SegmentStream:
             with torch.inference_mode(inference):
                 while (r := next(taken)) < len(chunks):
                     try:
-                        results.update(self._serve_range(r, chunks[r], reads, room, copier, buffer, priority))
+                        results.update(self._serve_range(r, chunks[r], reads, room, copier, sink))
                     except BaseException as exc:  # reported below; the other consumers stop soon
                         failures.append(exc)
                         reads.cancel()
@@ -281,7 +287,7 @@ class SegmentStream:
                         reads.release(r)
 
         with reads.reading():
-            helpers = [self.restorer.executor().submit(consume) for _ in range(consumers - 1)]
+            helpers = [pool.submit(consume) for _ in range(consumers - 1)]
             try:
                 consume()
             finally:
@@ -296,10 +302,9 @@ class SegmentStream:
         r: int,
         chunk: Chunk,
         reads: NativeReads,
-        room: Any,
+        room: Room,
         copier: DeviceCopier,
-        buffer: torch.Tensor,
-        priority: Priority | None,
+        sink: StreamSink,
     ) -> dict[int, object]:
         """Range ``r`` once read: each record checked in place or verified and decoded from the
         range's buffer, the hits accounted; per position, the hit or ``RETRY``."""
@@ -314,40 +319,40 @@ class SegmentStream:
         if buffered:
             chunk.data = reads.data(r)
         started = time.perf_counter()
-        disk = self.restorer.tiered.disk
         results: dict[int, object] = {}
-        hits: list[tuple[int, KVBlock, TierLevel]] = []
+        hits: list[Hit] = []
         for extent in chunk.extents:
             block = (
-                self._from_chunk(chunk, extent, room, copier)
+                self._from_chunk(chunk, extent, room, copier, sink)
                 if buffered
                 else self._in_place(chunk, extent, reads.where(extent), room)
             )
             if block is None:
                 results[extent.position] = RETRY
             else:
-                hits.append((extent.position, block, disk.level))
+                hits.append((extent.position, block, TierLevel.L3))
         if hits:
-            results.update(self.restorer.account_hits(hits, buffer, priority, started))
+            results.update(sink.hits(hits, started))
         return results
 
-    def _from_chunk(self, chunk: Chunk, extent: Extent, room: Any, copier: DeviceCopier) -> KVBlock | None:
+    def _from_chunk(
+        self, chunk: Chunk, extent: Extent, room: Room, copier: DeviceCopier, sink: StreamSink
+    ) -> KVBlock | None:
         """A record read into the chunk's buffer, verified and decoded into place; None when it
         cannot be served from there."""
         data = chunk.record(extent)
         if data is None:
             return None  # the file ends early: the per-block read reports it
-        disk = self.restorer.tiered.disk
         try:
-            header, encoded = disk.verify(extent.key, data, chunk.path)
+            header, encoded = self._records.verify(extent.key, data, chunk.path)
         except VERIFY_ERRORS as exc:
-            self.restorer.tiered.counters.unreadable(exc, "L3", log)
+            sink.unreadable(exc)
             return None  # quarantined: the per-block path tries L4, or counts the miss
         if encoded.codec != extent.placement.codec:
             return None
         block = KVBlock(extent.key, header.num_tokens, header.start_pos, None, encoded, header.namespace)
         target = room(extent.position)
-        self.restorer.decode(block, target, copier)
+        decode_into_room(block, target, copier, self._layout)
         tensor = target[:, :, :, : header.num_tokens]  # the buffer is reused: promotion copies this
         return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
 
@@ -358,134 +363,28 @@ class SegmentStream:
         restore, read direct, waited for its buffers to be copied out while the disk stood idle
         (no readahead goes on meanwhile): 8,192 SmolLM2 tokens, 0.82x of a raw read against
         0.95x in place; 512 tokens read direct, 0.82x the time of the reads in place."""
-        if not self.restorer.tiered.config.l3_direct_reads or self.direct_refused:
+        if not self._direct_reads or self.direct_refused:
             return False
-        return not exact or sum(e.placement.nbytes for e in extents) <= NATIVE_SLOT_BYTES
+        return not exact or sum(e.placement.nbytes for e in extents) <= range_buffers.NATIVE_SLOT_BYTES
 
-    # -- straight into place -----------------------------------------------------------------------
     def _may_scatter(self, buffer: torch.Tensor, copier: DeviceCopier) -> bool:
-        disk = self.restorer.tiered.disk
+        """Whether exact records may be read straight into ``buffer`` (a host buffer of the
+        layout's dtype, records not sealed)."""
         return (
             buffer.device.type == "cpu"
             and buffer.is_contiguous()
-            and buffer.dtype == self.restorer.layout.torch_dtype
+            and buffer.dtype == self._layout.torch_dtype
             and not copier.staged
-            and getattr(disk, "keyring", None) is None
+            and self._records.keyring is None
         )
 
-    def _scatter(
-        self, chunk: Chunk, rows: np.ndarray, per_token: int, flat: memoryview, address: int
-    ) -> dict[int, InPlace]:
-        """Give ``chunk`` a scatter list when every record in it is exact (identity codec, no
-        params): each record's payload runs (one per K/V, layer and head: ``rows`` are their
-        offsets in the destination ``flat``) go to their slices of the destination; its header,
-        its trailer and the holes between records go to scratch. Where each record landed, by
-        position (nothing when the chunk is read the buffered way)."""
-        bt = self.restorer.layout.block_tokens
-        framing = HEADER_BYTES + TRAILER_BYTES
-        if not _all_exact(chunk.extents, len(rows) * per_token):
-            return {}
-        payload = sum(extent.placement.nbytes - framing for extent in chunk.extents)
-        scratch = memoryview(bytearray(chunk.end - chunk.start - payload))
-        used = 0
-        iov: list[memoryview] = []
-        where: dict[int, InPlace] = {}
-        at = chunk.start
-        for extent in chunk.extents:
-            gap = extent.offset - at
-            if gap:
-                iov.append(scratch[used : used + gap])
-                used += gap
-            header = scratch[used : used + HEADER_BYTES]
-            trailer = scratch[used + HEADER_BYTES : used + framing]
-            used += framing
-            run = extent.placement.num_tokens * per_token
-            first = extent.position * bt * per_token
-            runs = [flat[first + row : first + row + run] for row in rows.tolist()]
-            iov.append(header)
-            iov += runs
-            iov.append(trailer)
-            where[extent.position] = InPlace(header, trailer, flat, first, address + first, rows, run)
-            at = extent.offset + extent.placement.nbytes
-        chunk.scatter = iov
-        return where
-
-    def _in_place(self, chunk: Chunk, extent: Extent, where: InPlace, room: Any) -> KVBlock | None:
-        """Check a record read straight into place (header fields, CRC32C over the slices it
-        landed in); None when it is not the record the index promised (the per-block read then
-        quarantines it, or finds where it went)."""
-        if chunk.got < extent.offset + extent.placement.nbytes - chunk.start:
-            return None  # the file ends early
-        restorer = self.restorer
-        try:
-            header = parse_header(where.header, chunk.path)
-        except CorruptBlockError:
+    def _in_place(self, chunk: Chunk, extent: Extent, where: InPlace, room: Room) -> KVBlock | None:
+        """A record read straight into place, checked (:func:`~.in_place.check`); None when it is
+        not the record the index promised (the per-block read then quarantines it, or finds where
+        it went)."""
+        header = check(chunk, extent, where, self._layout.fingerprint)
+        if header is None:
             return None
-        crc = where.crc(crc32c.crc32c(where.header))
-        if (
-            header.key != extent.key
-            or header.layout_fingerprint != restorer.layout.fingerprint
-            or header.codec != CodecId.IDENTITY
-            or header.encrypted
-            or header.params_len != 0
-            or header.num_tokens != extent.placement.num_tokens
-            or header.total_bytes != extent.placement.nbytes
-            or crc != int.from_bytes(where.trailer, "little")
-        ):
-            return None
-        restorer.tiered.disk.index.blocks.note_access(extent.key, time.time())
+        self._blocks.note_access(extent.key, time.time())
         tensor = room(extent.position).narrow(3, 0, header.num_tokens)  # narrow: half a slice's cost
         return KVBlock(extent.key, header.num_tokens, header.start_pos, tensor, None, header.namespace)
-
-
-def _all_exact(extents: Sequence[Extent], token_bytes: int) -> bool:
-    """Whether every record is exact (identity codec, no params: ``token_bytes`` a token), so it
-    can be read straight into place."""
-    framing = HEADER_BYTES + TRAILER_BYTES
-    return all(
-        e.placement.codec == CodecId.IDENTITY
-        and e.placement.nbytes == framing + e.placement.num_tokens * token_bytes
-        for e in extents
-    )
-
-
-def _take_buffers(count: int, size: int) -> queue.Queue[bytearray]:
-    """``count`` buffers of at least ``size`` bytes: kept ones first (already paged in)."""
-    buffers: queue.Queue[bytearray] = queue.Queue()
-    with _kept_lock:
-        for _ in range(count):
-            fits = next((i for i, b in enumerate(_kept) if len(b) >= size), None)
-            buffers.put(_kept.pop(fits) if fits is not None else bytearray(size))
-    return buffers
-
-
-def _give_back_buffers(buffers: queue.Queue[bytearray]) -> None:
-    """Keep the buffers for the next restore, the largest ones up to ``KEPT_BYTES``."""
-    with _kept_lock:
-        while not buffers.empty():
-            _kept.append(buffers.get_nowait())
-        _kept.sort(key=len, reverse=True)
-        kept = 0
-        for i, buffer in enumerate(_kept):
-            kept += len(buffer)
-            if kept > KEPT_BYTES:
-                del _kept[i:]
-                break
-
-
-def native_slots(ranges: Sequence[int]) -> int:
-    """Buffers for the native loop to read ``ranges`` (their sizes in bytes) into: one each when
-    they fit in ``NATIVE_SLOT_BYTES``, else as many as fit, at least ``NATIVE_MIN_SLOTS``."""
-    if not ranges:
-        return 0
-    return min(len(ranges), max(NATIVE_MIN_SLOTS, NATIVE_SLOT_BYTES // max(ranges)))
-
-
-def buffered_chunk_bytes(extents: Sequence[Extent]) -> int:
-    """Bytes per range for records that are decoded: ``CHUNK_BYTES``, smaller for a small
-    restore, so that it still has several ranges to share between the decoders (a range's
-    records are decoded one after another by one thread). An int8 restore of 512 SmolLM2 tokens
-    (8.4 MB) took 2 ranges of 4 MiB and 1 more, one decoder running alone at the end: now 8,
-    10-12 ms against 12-14.5 ms (alternated in one process, medians of 10)."""
-    total = sum(e.placement.nbytes for e in extents)
-    return max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, total // (4 * _DECODERS)))

@@ -1,8 +1,9 @@
 """A bounded L3 is a cache: when a write would pass the disk budget, the least valuable blocks go.
 
-``Evictor.make_room`` is what the disk tier calls when a batch of writes would pass
-``l3_budget_bytes`` (or a namespace's L3 quota). It frees space down to the low watermark
-(``l3_low_watermark`` of the budget, so that not every write evicts), choosing victims by the cost
+``Evictor.fit`` is what the disk tier calls when a batch of writes would pass ``l3_budget_bytes``
+(or a namespace's L3 quota); it hands back the rows it deleted, whose files the tier removes. It
+frees space down to the low watermark (``l3_low_watermark`` of the budget, so that not every write
+evicts), choosing victims by the cost
 scorer over what the index knows of each block (size, last access, access count) and what this
 process knows (priority class, attention importance, hints): cheapest to lose per byte first.
 Blocks a copy in the remote tier still holds go first (a miss there costs a fetch, not a
@@ -26,19 +27,19 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from kvstrata.config import StoreConfig
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.policy import BlockStats, CostScorer, EvictionScorer, get_scorer
 from kvstrata.priority import Priority, higher_priority
-from kvstrata.store.tiers.base import TierLevel
-
-if TYPE_CHECKING:
-    from kvstrata.store.placement import TieredStore
-    from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.store.block_stats import BlockStatsTable
+from kvstrata.store.counters import StoreCounters
+from kvstrata.store.index.block_rows import BlockTable, Placement
+from kvstrata.store.index.session_rows import SessionTable
+from kvstrata.tiering import TierLevel
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +50,27 @@ _L3_HORIZON_S = 6 * 3600.0
 class Evictor:
     def __init__(
         self,
-        tiered: TieredStore,
-        disk: DiskTier,
+        blocks: BlockTable,
+        sessions: SessionTable,
         root: Path,
+        config: StoreConfig,
+        stats: BlockStatsTable,
+        counters: StoreCounters,
         *,
         live_keys: Callable[[], Iterable[BlockKey]] = lambda: (),
+        held_remotely: Callable[[Sequence[BlockKey]], list[bool]] | None = None,
     ) -> None:
-        """``live_keys``: the keys sessions of this process use that the index may not name yet."""
-        self.tiered = tiered
-        self.disk = disk
+        """``blocks``/``sessions``: the index's tables; ``stats``: what this process knows of each
+        block (in use, importance, hints); ``live_keys``: the keys sessions of this process use
+        that the index may not name yet; ``held_remotely``: which keys the remote tier holds."""
+        self._blocks = blocks
+        self._sessions = sessions
         self.root = root
+        self._stats = stats
+        self._counters = counters
         self.live_keys = live_keys
-        config = tiered.config
+        self._held_remotely = held_remotely
+        self.budget_bytes = config.l3_budget_bytes
         # the configured order; the cost scorer with a reuse horizon of hours, as befits a disk
         self.scorer: EvictionScorer = (
             CostScorer(horizon_s=_L3_HORIZON_S) if config.eviction == "cost" else get_scorer(config.eviction)
@@ -68,34 +78,41 @@ class Evictor:
         self.low_watermark = config.l3_low_watermark
         self.quotas = {ns: q.l3_bytes for ns, q in config.namespace_quotas.items() if q.l3_bytes is not None}
 
-    def fit(self, growth: dict[str, int], keep: Collection[BlockKey]) -> set[str]:
+    def fit(
+        self, growth: Mapping[str, int], keep: Collection[BlockKey]
+    ) -> tuple[set[str], dict[BlockKey, Placement]]:
         """Make room for a batch that adds ``growth`` bytes per namespace ('' when unknown):
-        first within each namespace's quota, then within the budget. The namespaces whose
-        blocks still do not fit (nothing more may be evicted) are returned."""
-        blocks = self.disk.index.blocks
+        first within each namespace's quota, then within the budget. Returns the namespaces
+        whose blocks still do not fit (nothing more may be evicted) and the rows it deleted
+        (their files are the caller's to remove)."""
+        blocks = self._blocks
         refused: set[str] = set()
+        removed: dict[BlockKey, Placement] = {}
         for namespace, grow in growth.items():
             quota = self.quotas.get(namespace)
             if quota is None or grow <= 0:
                 continue
             used = blocks.usage_by_namespace().get(namespace, (0, 0))[1]
             if used + grow > quota:
-                self.make_room(used + grow - quota, keep, namespace)
+                removed.update(self.make_room(used + grow - quota, keep, namespace))
                 if blocks.usage_by_namespace().get(namespace, (0, 0))[1] + grow > quota:
                     refused.add(namespace)
-        budget = self.disk.budget_bytes
+        budget = self.budget_bytes
         total = sum(g for ns, g in growth.items() if ns not in refused)
         if budget is not None and total > 0:
             used = blocks.usage()[1]
             if used + total > budget:
-                self.make_room(used + total - budget, keep)
+                removed.update(self.make_room(used + total - budget, keep))
                 if blocks.usage()[1] + total > budget:
                     refused.update(growth)
-        return refused
+        return refused, removed
 
-    def make_room(self, needed: int, keep: Collection[BlockKey], namespace: str | None = None) -> int:
+    def make_room(
+        self, needed: int, keep: Collection[BlockKey], namespace: str | None = None
+    ) -> dict[BlockKey, Placement]:
         """Free at least ``needed`` bytes of L3 (store-wide, or of ``namespace``'s quota when
-        given), down to the low watermark; ``keep`` is never evicted. Bytes freed."""
+        given), down to the low watermark; ``keep`` is never evicted. The rows deleted (their
+        files are the caller's to remove)."""
         fd = os.open(self.root / "evict.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one evicting process at a time; the others wait
@@ -103,11 +120,11 @@ class Evictor:
         finally:
             os.close(fd)
 
-    def _evict(self, needed: int, keep: set[BlockKey], namespace: str | None) -> int:
+    def _evict(self, needed: int, keep: set[BlockKey], namespace: str | None) -> dict[BlockKey, Placement]:
         # free what the write needs, and on down to the low watermark of the budget (or quota)
-        limit = self.quotas.get(namespace) if namespace is not None else self.disk.budget_bytes
+        limit = self.quotas.get(namespace) if namespace is not None else self.budget_bytes
         if limit is None or needed <= 0:
-            return 0
+            return {}
         excess = needed + int(limit * (1.0 - self.low_watermark))
         order = self._order(keep, namespace)
         victims: list[BlockKey] = []
@@ -117,12 +134,10 @@ class Evictor:
                 break
             victims.append(key)
             freed += nbytes
-        # rows first: a crash in between leaves orphan files (gc), never rows without their file
-        removed = self.disk.index.blocks.delete(victims)
-        for key, placement in removed.items():
-            self.disk.unlink_removed(key, placement)
-        with self.tiered.lock:
-            self.tiered.counters.tiers[TierLevel.L3].evictions += len(removed)
+        # rows first (the caller removes their files): a crash in between leaves orphan files
+        # (gc), never rows without their file
+        removed = self._blocks.delete(victims)
+        self._counters.of(TierLevel.L3).evictions += len(removed)
         freed = sum(p.nbytes for p in removed.values())
         if freed < excess:
             log.warning(
@@ -131,13 +146,13 @@ class Evictor:
                 excess,
                 f" (namespace {namespace!r})" if namespace else "",
             )
-        return freed
+        return removed
 
     def _order(self, keep: set[BlockKey], namespace: str | None) -> list[tuple[BlockKey, int]]:
         """(key, bytes) of the blocks that may go, first to go first."""
         protected = keep | set(self.live_keys())
         classes: dict[bytes, Priority] = {}
-        for block_keys, tail_key, priority, pinned in self.disk.index.sessions.iter_keys():
+        for block_keys, tail_key, priority, pinned in self._sessions.iter_keys():
             keys = [block_keys[i : i + KEY_BYTES] for i in range(0, len(block_keys), KEY_BYTES)]
             if tail_key is not None:
                 keys.append(tail_key)
@@ -150,18 +165,19 @@ class Evictor:
                 classes[key] = prio if seen is None else higher_priority(seen, prio)
         over_quota = {
             ns
-            for ns, (_, used) in self.disk.index.blocks.usage_by_namespace().items()
+            for ns, (_, used) in self._blocks.usage_by_namespace().items()
             if used > self.quotas.get(ns, used)
         }
         candidates: list[BlockStats] = []
         sizes: dict[BlockKey, int] = {}
         first: set[BlockKey] = set()
-        for row in self.disk.rows():
-            if row.key in protected or self.tiered.stats.in_use(row.key):
+        self._blocks.flush_access()  # the access times this process noted, for the scorer
+        for row in self._blocks:
+            if row.key in protected or self._stats.in_use(row.key):
                 continue
             if namespace is not None and row.namespace != namespace:
                 continue
-            live = self.tiered.stats.get(row.key)
+            live = self._stats.get(row.key)
             stats = BlockStats(
                 row.key, row.num_tokens, row.last_access, access_count=max(row.access_count, 1)
             )
@@ -174,9 +190,9 @@ class Evictor:
             sizes[row.key] = row.nbytes
             if namespace is None and (row.namespace or "") in over_quota:
                 first.add(row.key)
-        if self.tiered.remote is not None and candidates:
+        if self._held_remotely is not None and candidates:
             try:  # a block Redis still holds costs a fetch to get back, not a recompute
-                held = self.tiered.remote.tier.contains_many([s.key for s in candidates])
+                held = self._held_remotely([s.key for s in candidates])
                 first.update(s.key for s, here in zip(candidates, held, strict=True) if here)
             except TierUnavailableError:
                 pass

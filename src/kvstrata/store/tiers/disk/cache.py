@@ -1,0 +1,48 @@
+"""Where this process last saw each block's record: a cache of the index's block rows.
+
+The SQLite index is the one truth about what L3 holds (other processes write, delete, compact and
+move rows); each process keeps only the placements it saw. A record that is not where the cache
+says sends the reader back to the index (:meth:`PlacementCache.refresh`), and a block that is gone
+is a miss, never corruption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstrata.keys import BlockKey
+from kvstrata.store.index.block_rows import BlockTable, Placement
+
+
+class PlacementCache:
+    def __init__(self, blocks: BlockTable) -> None:
+        self._blocks = blocks
+        self._seen: dict[BlockKey, Placement] = {}
+
+    def get(self, key: BlockKey) -> Placement | None:
+        """Where ``key`` is (the cache, else the index); None when L3 does not hold it."""
+        placement = self._seen.get(key)
+        if placement is None:
+            placement = self._blocks.placement(key)
+            if placement is not None:
+                self._seen[key] = placement
+        return placement
+
+    def many(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Placement]:
+        """:meth:`get` of many keys, the ones not cached asked of the index in one query."""
+        unknown = [k for k in keys if k not in self._seen]
+        if unknown:
+            self._seen.update(self._blocks.placements_of(unknown))
+        return {k: p for k in keys if (p := self._seen.get(k)) is not None}
+
+    def refresh(self, key: BlockKey) -> Placement | None:
+        """Ask the index again (the record was not where the cache said)."""
+        self._seen.pop(key, None)
+        return self.get(key)
+
+    def remember(self, key: BlockKey, placement: Placement) -> None:
+        """Where ``key`` now is (a row this process just committed)."""
+        self._seen[key] = placement
+
+    def forget(self, key: BlockKey) -> None:
+        self._seen.pop(key, None)
