@@ -74,6 +74,16 @@ def serve(
             "--threads", min=0, help="torch threads for the model (0: torch's default, one per core)."
         ),
     ] = 0,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            "--drain-timeout",
+            min=0,
+            help="On SIGTERM or SIGINT: seconds the running requests have in all to finish and save "
+            "their KV (cancelled near the end, keeping what they computed); what is not saved by then "
+            "is logged with a count.",
+        ),
+    ] = 10.0,
     background_memory: Annotated[
         str | None,
         typer.Option(
@@ -132,9 +142,11 @@ def serve(
         freeze_startup_heap()  # a full garbage collection would stop requests for ~100 ms
 
         def shutdown() -> None:
-            # flushes queued writes, persists the counters and closes the index
-            engine.close()
-            kv.close()
+            # flushes queued writes, persists the counters and closes the index; not under
+            # requests still saving at the drain's deadline (their sessions stay at their last
+            # checkpoint, as after a crash)
+            if engine.close().complete:
+                kv.close()
 
         app = create_app(
             engine,
@@ -145,6 +157,7 @@ def serve(
                 audit_path=audit_log or root / "audit.jsonl",
             ),
             on_shutdown=shutdown,
+            drain_timeout_s=drain_timeout,
         )
         try:
             uvicorn.run(

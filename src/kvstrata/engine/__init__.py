@@ -1,6 +1,7 @@
 """The multi-session generation engine: prefix reuse from the store, decoding, persistence."""
 
 from kvstrata.engine.decoder import DecodeStep, RequestDecoder
+from kvstrata.engine.drain import DrainReport
 from kvstrata.engine.engine import (
     BatchStats,
     Engine,
@@ -17,6 +18,7 @@ from kvstrata.engine.stepper import StepReport
 __all__ = [
     "BatchStats",
     "DecodeStep",
+    "DrainReport",
     "Engine",
     "GenerationRequest",
     "GrammarSpec",

@@ -13,9 +13,11 @@ A request goes through these steps (continuous batching; see :mod:`kvstrata.engi
    (realtime first, then interactive, then background, chunked prefills, paused rows keep their
    KV, no starvation); one forward pass runs them all; each row's decoder picks its token
    (:mod:`kvstrata.engine.stepper`);
-4. on the store worker again, when the request finished or was cancelled: append the KV of every
-   token it computed (all but the last generated one) and checkpoint, so the session's tokens are
-   exactly the tokens whose KV is stored; then the future resolves and the stream ends.
+4. on the store worker again: while the request runs, an incremental checkpoint every
+   ``checkpoint_every_tokens`` computed tokens (the step thread only posts it); when the request
+   finished or was cancelled, append the KV of every token it computed that is not saved yet
+   (all but the last generated one) and checkpoint, so the session's tokens are exactly the tokens
+   whose KV is stored; then the future resolves and the stream ends.
 
 A single request is the batch of one: there is one decoding path.
 """
@@ -27,15 +29,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvstrata.engine.batch import BatchedForward, BatchLoop, BatchRow, StepBudget
+from kvstrata.engine.budget import DEFAULT_MAX_BATCH, BatchStats, batch_budget
 from kvstrata.engine.decoder import RequestDecoder
+from kvstrata.engine.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainReport, drain
 from kvstrata.engine.grammar import GrammarCompiler
 from kvstrata.engine.inflight import InFlight, ResponseStream, RowState
+from kvstrata.engine.prompts import RequestPreparer
 from kvstrata.engine.requests import GenerationRequest, Message, Response
 from kvstrata.engine.scheduler import Admission
 from kvstrata.engine.session_jobs import SessionJobs
@@ -58,43 +62,6 @@ StreamCallback = Callable[[str], None]
 # order (neither waits behind a stream of the other), then background restores: a restore goes at
 # its class's rank (Priority.rank), a commit at the interactive one
 _COMMIT_RANK = Priority.INTERACTIVE.rank
-
-DEFAULT_MAX_BATCH = 16
-
-
-def batch_budget(max_batch: int = DEFAULT_MAX_BATCH, *, fp32: bool = False) -> StepBudget:
-    """The step budget of ``max_batch`` rows per step (1: no batching, one row per step).
-
-    While a realtime request decodes, two rows of the other classes share its steps so that the
-    background keeps progressing; but a step's cost grows with its rows on a CPU, and the
-    realtime request's inter-token latency should stay within 1.5x of the idle engine's. In
-    fp32 (``fp32``), where a row costs much more than in bf16 (two rows' step about 1.9x one
-    row's on this project's machine), they share one step in three (docs/benchmarks.md,
-    "Continuous batching")."""
-    if max_batch < 1:
-        raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-    return StepBudget(
-        max_sequences=max_batch,
-        max_live=max(64, 2 * max_batch),
-        starvation_slots=min(1, max_batch - 1),
-        realtime_max_sequences=min(2, max_batch),
-        realtime_share_every=3 if fp32 else 1,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class BatchStats:
-    """The batch as the metrics report it, per priority class."""
-
-    queued: dict[Priority, int]
-    """Waiting: for a place in the batch, for their row's restore, or for their session."""
-    running: dict[Priority, int]
-    """Holding a row (decoding, prefilling or paused)."""
-    preemptions: dict[Priority, int]
-    """Times a running request was left out of a step (paused) for others."""
-    steps: int
-    interrupted_steps: int
-    """Steps given up for a realtime arrival."""
 
 
 class Engine:
@@ -145,12 +112,7 @@ class Engine:
         self.memory_modes = modes
         self.queue_limit = queue_limit
         self.budget = budget or batch_budget(max_batch, fp32=model.model.dtype == torch.float32)
-        eos = model.model.generation_config.eos_token_id
-        if eos is None:
-            eos = model.tokenizer.eos_token_id
-        self._stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self._vocab_size = int(model.model.get_input_embeddings().weight.shape[0])
-        self._grammars: GrammarCompiler | None = None
+        self._prepare = RequestPreparer(model)
         self.store_lock = threading.RLock()
         """Held by whatever uses the store's sessions: the engine's store worker, and callers
         beside the engine (the server's admin actions)."""
@@ -165,10 +127,12 @@ class Engine:
         self._admission = Admission(queue_limit)
         self._worker = PriorityWorker("kvstrata-store", self.store_lock)
         loop = BatchLoop(BatchedForward(model.model, attention), self.budget)
-        self._stepper = Stepper(loop, self._take_row, self._left_batch)
+        self._stepper = Stepper(loop, self._take_row, self._left_batch, self._progress)
         self._ids = itertools.count()
         self._inflight: dict[str, InFlight] = {}
         self._prefetcher: Any = None
+        self._drain_lock = threading.Lock()
+        self._drained: DrainReport | None = None
         # loading the model left this thread an OpenMP team; freed, the step thread's team is the
         # only one and is not throttled (runtime.py: 15-20% of a batched fp32 step on 2 cores)
         release_openmp_threads()
@@ -263,45 +227,16 @@ class Engine:
     @property
     def grammars(self) -> GrammarCompiler:
         """Compiles the grammars of constrained requests (built on first use: about 0.3 s)."""
-        if self._grammars is None:
-            eos = min(self._stop_ids) if self._stop_ids else self.model.tokenizer.eos_token_id
-            self._grammars = GrammarCompiler(self.model.tokenizer, self._vocab_size, eos)
-        return self._grammars
+        return self._prepare.grammars
 
     def decoder(self, request: GenerationRequest) -> RequestDecoder:
         """The per-request decoding state of ``request``; raises :class:`ConfigError` for a
         request that cannot run (an invalid grammar, a stop token outside the vocabulary)."""
-        params = request.params
-        return RequestDecoder(
-            params,
-            self.model.tokenizer,
-            eos_token_ids=self._stop_ids,
-            vocab_size=self._vocab_size,
-            grammars=self.grammars if params.grammar is not None else None,
-        )
+        return self._prepare.decoder(request)
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        tokenizer = self.model.tokenizer
-        if request.prompt_ids is not None:
-            vocab = self.model.model.get_input_embeddings().weight.shape[0]
-            bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError(f"prompt_ids holds ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
-            if not request.prompt_ids:
-                raise ConfigError("the prompt is empty")
-            return list(request.prompt_ids)
-        if request.messages is not None:
-            extra = {"tools": list(request.tools)} if request.tools else {}
-            encoded = tokenizer.apply_chat_template(
-                [dict(m) for m in request.messages], add_generation_prompt=True, tokenize=True, **extra
-            )
-            ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        else:
-            ids = tokenizer(request.prompt)["input_ids"]
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ConfigError("the prompt is empty")
-        return ids
+        """The request's prompt as token ids (the chat template rendered, or the text tokenised)."""
+        return self._prepare.prompt_token_ids(request)
 
     # -- requests through the threads ------------------------------------------------------------
     def _start(self, request: GenerationRequest, *, streaming: bool) -> InFlight:
@@ -361,6 +296,17 @@ class Engine:
     def _left_batch(self, inflight: InFlight, reason: str) -> None:
         """Step thread: the request left the batch; its commit goes to the store worker."""
         self._worker.submit(_COMMIT_RANK, lambda: self._commit(inflight, reason))
+
+    def _progress(self, running: list[InFlight]) -> None:
+        """Step thread: post the incremental checkpoints that are due (session_jobs.py)."""
+        due = []
+        for inflight in running:
+            upto = self._jobs.due(inflight)
+            if upto is not None:
+                inflight.saving = True
+                due.append((inflight, upto, inflight.computed_ids(inflight.saved, upto)))
+        if due:
+            self._worker.submit(_COMMIT_RANK, lambda: self._jobs.save_running(due))
 
     def _commit(self, inflight: InFlight, reason: str) -> None:
         """Store worker: persist what the request computed, release its session, resolve it."""
@@ -443,13 +389,35 @@ class Engine:
             self._prefetcher = Prefetcher(self.store)
         self._prefetcher.hint(list(next), namespace)
 
-    def close(self) -> None:
-        """Take no more requests, let the ones in flight finish, stop the prefetcher."""
-        self._admission.closed = True
-        for inflight in list(self._inflight.values()):
-            inflight.future.exception()  # waits for its end
+    def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> DrainReport:
+        """Take no more requests, and give the ones in flight ``timeout_s`` in all to finish and
+        save what they computed (see :mod:`kvstrata.engine.drain`). Once only: a later call waits
+        for the first one and returns its report."""
+        with self._drain_lock:
+            if self._drained is None:
+                self._admission.closed = True
+                deadline = time.monotonic() + timeout_s
+                self._drained = drain(list(self._inflight.values()), self._cancel, deadline)
+            return self._drained
+
+    def close(self, timeout_s: float | None = None) -> DrainReport:
+        """Take no more requests, let the ones in flight finish (with ``timeout_s``, or after a
+        :meth:`drain`: within its bound), stop the prefetcher. When the report is not
+        ``complete`` (requests still saving at the deadline), the engine's threads are left to
+        run: the caller must not close the store under them."""
+        if timeout_s is not None or self._drained is not None:
+            report = self.drain(timeout_s if timeout_s is not None else 0.0)
+            if not report.complete:
+                return report
+        else:
+            self._admission.closed = True
+            waited = list(self._inflight.values())
+            for inflight in waited:
+                inflight.future.exception()  # waits for its end
+            report = DrainReport(finished=len(waited))
         self._stepper.wait_idle()
         self._worker.wait_idle()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        return report

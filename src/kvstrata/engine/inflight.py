@@ -74,6 +74,13 @@ class InFlight:
     cancelled: bool = False
     """Its caller cancelled it (the step thread drops it, even if it has not joined the batch yet)."""
     realtime_paused_prefetch: bool = False
+    saved: int = 0
+    """Computed tokens (past the prefix) appended to the session so far: by the incremental
+    checkpoints of the running request, then by its commit."""
+    saving: bool = False
+    """An incremental checkpoint of it is queued or running (the step thread asks for one at a time)."""
+    save_error: BaseException | None = None
+    """An incremental checkpoint failed to append: no more of them; the commit raises it."""
 
     # the step thread
     admitted_at: float | None = None
@@ -85,6 +92,14 @@ class InFlight:
         if not self.request.use_cache:
             return None
         return (self.request.namespace, self.request.session_id)
+
+    def computed_ids(self, begin: int, end: int) -> list[int]:
+        """The token ids of the computed tokens ``begin:end`` past the prefix (the prompt's rest,
+        then the generated tokens)."""
+        assert self.prefix is not None
+        rest = self.prompt_ids[self.prefix.num_tokens :]
+        generated = self.decoder.token_ids[max(0, begin - len(rest)) : max(0, end - len(rest))]
+        return rest[begin:end] + generated
 
     def pick(self, logits: torch.Tensor) -> int:
         """The step thread's token picker: choose, accept, hand the released text over."""

@@ -6,17 +6,27 @@ longest stored prefix of the prompt (:mod:`kvstrata.engine.prefix`), and build t
 batch row: a :class:`KVStrataCache` holding that prefix, with room for the rest of the prompt
 and the answer, and the position offset of a pruned prefix.
 
+**Incremental checkpoints** (while the request runs): every ``checkpoint_every_tokens`` (the
+store's setting, 256 by default) computed tokens, up to the last full block, the step thread asks
+for one (:meth:`SessionJobs.due`) and goes on decoding; the store worker appends the KV of those
+tokens to the session and checkpoints it (:meth:`SessionJobs.save_running`), through the store's
+group commit. A ``kill -9`` then loses at most the tokens since the last checkpoint, not the whole
+request (the prompt's KV included). The step thread only ever appends past the tokens a
+checkpoint reads, so the worker copies them out of the row while the batch decodes on.
+
 **Commit** (when the request left the batch, finished or cancelled): append the KV of every token
-the row computed (the prompt after the prefix and the generated tokens but the last, whose KV was
-never computed; for a request cancelled mid-prefill, the prompt tokens computed so far) and
-checkpoint, so the session's tokens are exactly the tokens whose KV is stored; then the
-per-session signals for the policy: residency in L1, attention mass per block (importance), the
-gap between requests, the system prompt's extent. A failed request commits nothing: the lease's
-release drops what it changed in memory, and the session stays at its last checkpoint.
+the row computed that no incremental checkpoint saved (the prompt after the prefix and the
+generated tokens but the last, whose KV was never computed; for a request cancelled mid-prefill,
+the prompt tokens computed so far) and checkpoint, so the session's tokens are exactly the tokens
+whose KV is stored; then the per-session signals for the policy: residency in L1, attention mass
+per block (importance), the gap between requests, the system prompt's extent. A failed request
+commits nothing more: the lease's release drops what it changed in memory, and the session stays
+at its last checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -36,6 +46,8 @@ from kvstrata.policy.memory import MemoryMode
 from kvstrata.priority import Priority
 from kvstrata.store import KVStore
 from kvstrata.store.sessions import Session
+
+log = logging.getLogger(__name__)
 
 
 class SessionJobs:
@@ -97,25 +109,77 @@ class SessionJobs:
         inflight.row = BatchRow(cache, position_offset=start - slots, track_attention=self.track_importance)
 
     # -- commit ----------------------------------------------------------------------------------
+    def due(self, inflight: InFlight) -> int | None:
+        """Step thread: the computed tokens (past the prefix) an incremental checkpoint of the
+        running request would hold now, up to its last full block; None while none is due (fewer
+        than ``checkpoint_every_tokens`` new ones, or one is still being saved)."""
+        session, prefix, row = inflight.session, inflight.prefix, inflight.row
+        if inflight.saving or inflight.save_error is not None:
+            return None
+        if session is None or prefix is None or row is None:
+            return None
+        bt = self.store.layout.block_tokens
+        start = prefix.num_tokens
+        upto = (start + row.length - prefix.slots) // bt * bt - start
+        if upto - inflight.saved < self.store.config.checkpoint_every_tokens:
+            return None
+        return upto
+
+    def save_running(self, due: list[tuple[InFlight, int, list[int]]]) -> None:
+        """Store worker: append each running request's computed tokens up to its ``upto`` (with
+        their ids, taken on the step thread) and checkpoint the sessions. Every append goes first,
+        so one group commit of the store's writer holds all their blocks."""
+        appended: list[InFlight] = []
+        for inflight, upto, ids in due:
+            try:
+                if not inflight.closed:
+                    self._append(inflight, upto, ids)
+                    appended.append(inflight)
+            except Exception as exc:  # the commit raises it: the request fails at its end
+                inflight.save_error = exc
+                inflight.saving = False
+        for inflight in appended:
+            session = inflight.session
+            assert session is not None
+            try:
+                if session.checkpointed_tokens != session.num_tokens:
+                    self.store.checkpoint(session)
+            except Exception as exc:  # the commit checkpoints again (its failure fails the request)
+                log.warning("incremental checkpoint of %s/%s failed: %s", session.namespace, session.id, exc)
+            finally:
+                inflight.saving = False
+
+    def _append(self, inflight: InFlight, upto: int, ids: list[int]) -> None:
+        """Append the KV of the computed tokens ``inflight.saved:upto`` (ids ``ids``) to the session."""
+        session, prefix, row = inflight.session, inflight.prefix, inflight.row
+        assert session is not None and prefix is not None and row is not None
+        begin = inflight.saved
+        assert len(ids) == upto - begin
+        if not ids:
+            return
+        start, slots = prefix.num_tokens, prefix.slots
+        with torch.inference_mode():
+            if prefix.kept_blocks is not None and not session.pruned:
+                # From here on the session's KV is computed over a pruned context: its blocks
+                # get keys of their own lineage, apart from exact blocks of the same tokens.
+                session.lineage, session.lineage_from = os.urandom(LINEAGE_BYTES), start
+            self.store.append(session, ids, row.cache.new_kv(slots + begin, slots + upto))
+        inflight.saved = upto
+
     def commit(self, inflight: InFlight) -> None:
         """Persist what the request's row computed, and record the session's signals."""
         session, prefix, row = inflight.session, inflight.prefix, inflight.row
         if session is None or prefix is None or row is None:
             return
-        start, slots = prefix.num_tokens, prefix.slots
+        if inflight.save_error is not None:
+            raise inflight.save_error
+        start = prefix.num_tokens
         # The last generated token was never fed to the model, so it has no KV: the session
         # stops before it, and the next turn prefills it (as part of its prompt).
-        computed = row.length - slots
-        new_ids = (inflight.prompt_ids[start:] + inflight.decoder.token_ids)[:computed]
-        assert len(new_ids) == computed
+        computed = row.length - prefix.slots
         bt = self.store.layout.block_tokens
+        self._append(inflight, computed, inflight.computed_ids(inflight.saved, computed))
         with torch.inference_mode():
-            if prefix.kept_blocks is not None and new_ids and not session.pruned:
-                # From here on the session's KV is computed over a pruned context: its blocks
-                # get keys of their own lineage, apart from exact blocks of the same tokens.
-                session.lineage, session.lineage_from = os.urandom(LINEAGE_BYTES), start
-            if new_ids:
-                self.store.append(session, new_ids, row.cache.new_kv(slots))
             self.store.checkpoint(session)
         self.keep_resident(session)
         self._record_importance(session, row, prefix.kept_blocks)

@@ -6,7 +6,9 @@ and wake-ups (:meth:`Stepper.wake`: a row is ready). Between steps it applies th
 :meth:`BatchLoop.step`, so a row always holds exactly its prompt and generated tokens but the
 last. Each request's decoder picks its tokens inside the step (:meth:`InFlight.pick`); a decoder
 that reports a stop (a stop string, a grammar that is complete) ends its request right after
-the step. Finished requests go to ``on_finished`` (the engine commits them on its store worker).
+the step. Finished requests go to ``on_finished`` (the engine commits them on its store worker);
+after each step, the requests that ran and go on go to ``on_progress`` (the engine's incremental
+checkpoints: it only posts them to its store worker).
 
 While a step of lower-class rows runs, a realtime request whose row became ready gives that
 step up (:class:`StepInterrupted`, at the next layer), so its prefill runs at once instead of
@@ -75,16 +77,22 @@ class StepReport:
 
 RowOpener = Callable[[InFlight], tuple[BatchRow, list[int]] | None]
 Finished = Callable[[InFlight, str], None]
+Progress = Callable[[list[InFlight]], None]
 
 
 class Stepper:
-    def __init__(self, loop: BatchLoop, open_row: RowOpener, on_finished: Finished) -> None:
+    def __init__(
+        self, loop: BatchLoop, open_row: RowOpener, on_finished: Finished, on_progress: Progress | None = None
+    ) -> None:
         """``open_row(inflight)``: the request's row and the prompt tokens left to compute, or
         None while it is being restored (see :class:`LoopRequest`). ``on_finished(inflight,
-        reason)``: the request left the batch (its row holds what it computed)."""
+        reason)``: the request left the batch (its row holds what it computed).
+        ``on_progress(inflights)``: after a step, the requests that ran in it and go on (keep it
+        short: it runs on the step thread)."""
         self.loop = loop
         self.open_row = open_row
         self.on_finished = on_finished
+        self.on_progress = on_progress
         self.listeners: list[Callable[[StepReport], None]] = []
         self.record_logits = False
         self.counts = SchedulerCounts()
@@ -265,6 +273,10 @@ class Stepper:
             inflight = self._live.get(loop_request.request_id)
             if inflight is not None and inflight.decoder.finished:
                 self._end(inflight, "stop")  # a stop string or a complete grammar
+        if self.on_progress is not None:
+            going_on = [self._live[rid] for rid in result.plan.request_ids if rid in self._live]
+            if going_on:
+                self.on_progress(going_on)
         self.counts = self.loop.scheduler.counts()
         self._report(StepReport(result.plan, seconds, logits=logits))
         return bool(result.plan.slots)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstrata.engine import Engine
+from kvstrata.engine import DrainReport, Engine
+from kvstrata.engine.drain import DEFAULT_DRAIN_TIMEOUT_S
 from kvstrata.server import admin, admin_api, openai_api
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.context import ServerConfig, ServerContext
@@ -18,13 +24,25 @@ from kvstrata.server.deps import authorize, context
 from kvstrata.server.errors import HANDLERS
 from kvstrata.server.metrics import ServerMetrics
 
+log = logging.getLogger("kvstrata.server")
+
 
 def create_app(
-    engine: Engine, config: ServerConfig | None = None, *, on_shutdown: Callable[[], None] | None = None
+    engine: Engine,
+    config: ServerConfig | None = None,
+    *,
+    on_shutdown: Callable[[], None] | None = None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> FastAPI:
     """The app serving ``engine``. The caller owns the engine and its store; ``on_shutdown`` runs
     when the server stops (a SIGTERM included: uvicorn re-raises the signal after the lifespan
-    ends, so code after ``uvicorn.run`` would never run). The app closes its audit log."""
+    ends, so code after ``uvicorn.run`` would never run). The app closes its audit log.
+
+    A stop drains (:meth:`Engine.drain`): from the first SIGTERM or SIGINT (or, with no signal,
+    from the lifespan's end), no request is taken, the running ones have ``drain_timeout_s`` in
+    all to finish and save their KV (cancelled, keeping what they computed, near the end), and
+    what could not be saved in time is logged with a count; uvicorn meanwhile waits for their
+    responses to end."""
     config = config or ServerConfig()
     ctx = ServerContext(
         engine,
@@ -35,7 +53,20 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        draining: list[asyncio.Future[DrainReport]] = []
+
+        def begin_drain() -> None:
+            if not draining:
+                draining.append(loop.run_in_executor(None, engine.drain, drain_timeout_s))
+
+        _on_stop_signals(lambda: loop.call_soon_threadsafe(begin_drain))
         yield
+        begin_drain()
+        report = await draining[0]
+        # a cut or unsaved request is worth the operator's eye (uvicorn's log shows warnings)
+        quiet = report.complete and not report.cancelled
+        (log.info if quiet else log.warning)("%s", report.describe(drain_timeout_s))
         if ctx.audit is not None:
             ctx.audit.close()
         if on_shutdown is not None:
@@ -60,3 +91,22 @@ def create_app(
         return Response(generate_latest(context(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _on_stop_signals(callback: Callable[[], None]) -> None:
+    """Call ``callback`` on SIGTERM and SIGINT, then the server's own handler (uvicorn's, which
+    starts its graceful shutdown, and puts the handlers it found back when it ends). Only where
+    the server handles them in Python, on the main thread: elsewhere (a server run in a thread)
+    the drain starts at the lifespan's end."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue
+
+        def handler(signum: int, frame: FrameType | None, previous: Any = previous) -> None:
+            callback()
+            previous(signum, frame)
+
+        signal.signal(sig, handler)

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvstrata.engine.scheduler import QueueFullError
+from kvstrata.engine.scheduler import QueueFullError, SchedulerClosedError
 from kvstrata.errors import (
     ConfigError,
     CorruptBlockError,
@@ -62,6 +62,7 @@ _KVSTRATA_ERRORS: list[tuple[type[KVStrataError], int, str, str]] = [
     (LayoutMismatchError, 422, "invalid_request_error", "layout_mismatch"),
     (ConfigError, 400, "invalid_request_error", "invalid_value"),
     (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (SchedulerClosedError, 503, "server_error", "shutting_down"),
     (TierUnavailableError, 503, "server_error", "tier_unavailable"),
     (KVStrataError, 500, "server_error", "internal_error"),
 ]

@@ -78,9 +78,12 @@ def _generate_in_thread(
                 response = stream.response
                 assert response is not None
                 ctx.metrics.observe(response, job.priority)
-                if response.finish_reason == "cancelled" or control.cancelled:
+                if control.cancelled:
                     # the client left: the session keeps what was computed until then
                     emit("fail", APIError(499, "the client closed the stream", type="server_error"))
+                    return
+                if response.finish_reason == "cancelled":  # the server's drain cut it (a stop)
+                    emit("fail", APIError(503, "the server is stopping", type="server_error"))
                     return
                 emit("choice", (index, response))
         finally:
