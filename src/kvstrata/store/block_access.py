@@ -134,6 +134,11 @@ class BlockAccess:
         that could not be written are returned."""
         return self.tiered.persist_memory()
 
+    def wait_writes(self, timeout_s: float | None = None) -> int:
+        """Wait, at most ``timeout_s``, until the blocks queued for L3 are written; how many are
+        still not (a bounded stop reports them)."""
+        return self.tiered.wait_writes(timeout_s)
+
     def retry_failed_writes(self) -> int:
         """Re-queue blocks whose L3 write failed (once disk space is back); how many succeeded."""
         return self.tiered.retry_failed_writes()

@@ -350,6 +350,11 @@ class TieredStore:
         could not be made durable (not found anywhere, or L3 failing) are returned."""
         return self.disk_writer.make_durable(keys, self._memory_copy, timeout)
 
+    def wait_writes(self, timeout: float | None = None) -> int:
+        """Wait (at most ``timeout``) for the queued L3 writes; how many blocks are still unwritten."""
+        self.disk_writer.flush(None, timeout)
+        return len(self.disk_writer.pending_keys())
+
     def retry_failed_writes(self) -> int:
         """Re-queue blocks whose L3 write failed (for example once disk space is back)."""
         failed = list(self.disk_writer.failed)

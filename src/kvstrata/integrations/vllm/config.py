@@ -61,6 +61,8 @@ class ConnectorConfig:
     connector sets): ``recompute`` the tokens, or ``fail`` the request."""
     event_log: Path | None = None
     """A JSON-lines file every connector process appends its lookups, loads and saves to."""
+    drain_timeout_s: float = 10.0
+    """On a stop, how long the saves in flight may take (see docs/vllm.md, "Stop")."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def store_path(self, layout: KVLayout) -> Path:
@@ -112,6 +114,11 @@ class ConnectorConfig:
         if on_load_error not in ("recompute", "fail"):
             raise ConfigError(f"on_load_error must be 'recompute' or 'fail', got {on_load_error!r}")
         event_log = data.get("event_log")
+        drain_timeout_s = data.get("drain_timeout_s", 10.0)
+        if isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, int | float):
+            raise ConfigError(f"drain_timeout_s must be a number of seconds, got {drain_timeout_s!r}")
+        if not 0 <= drain_timeout_s <= 3600:  # NaN included
+            raise ConfigError(f"drain_timeout_s must be in 0..3600 seconds, got {drain_timeout_s!r}")
         return cls(
             store_dir=root,
             store=store,
@@ -122,6 +129,7 @@ class ConnectorConfig:
             load_async=_bool(data.get("load_async", True), "load_async"),
             on_load_error=str(on_load_error),
             event_log=Path(os.path.expanduser(str(event_log))) if event_log else None,
+            drain_timeout_s=float(drain_timeout_s),
             extra=data,
         )
 
@@ -158,4 +166,5 @@ _KEYS = (
     "load_async",
     "on_load_error",
     "event_log",
+    "drain_timeout_s",
 )

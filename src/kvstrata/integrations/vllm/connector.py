@@ -17,6 +17,7 @@ between them, in vLLM's connector metadata.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+SAVE_SHARE = 0.75
+"""The share of ``drain_timeout_s`` a process's connector spends finishing its saves on a stop."""
 
 
 def _tp_rank() -> int:
@@ -194,7 +198,49 @@ class KVStrataConnector(KVConnectorBase_V1):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """vLLM's stop (each process, when its engine or worker shuts down): the saves in flight
+        are finished, within ``drain_timeout_s`` (see :mod:`kvstrata.integrations.vllm.shared`)."""
         if self._closed:
             return
         self._closed = True
-        shared.release(self.store)
+        # a quarter of the time is left to vLLM's own teardown of the processes
+        shared.release(self.store, SAVE_SHARE * self.config.drain_timeout_s)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        """Called by vLLM in its API server process (its Prometheus logger): the one connector hook
+        that runs there, where vLLM decides how long a stop may take (see :func:`drain_on_stop`).
+        The connector registers no metrics of its own (its counters are in the event log)."""
+        drain_on_stop(vllm_config)
+        return None
+
+
+def drain_on_stop(vllm_config: Any) -> None:
+    """Give a stop of vLLM's API server the time to finish the connector's saves.
+
+    vLLM 0.32's API server, on SIGTERM or SIGINT, stops its engine process and waits
+    ``shutdown_timeout`` seconds (``--shutdown-timeout``) before it kills it and its workers with
+    SIGKILL. Its default, 0, kills them at once: the blocks the workers were still saving (the
+    last answer's) are lost. When it is 0, it is raised to the connector's ``drain_timeout_s`` (as
+    ``--shutdown-timeout N`` would): vLLM's engine then stops its requests (0 in its own process
+    still means: abort them), every worker's connector finishes its saves, and the processes exit
+    on their own, at most that long after the signal. A ``--shutdown-timeout`` above 0 is kept;
+    ``drain_timeout_s: 0`` leaves vLLM's as it is."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or getattr(vllm_config, "shutdown_timeout", None) != 0:
+        return
+    config = ConnectorConfig.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
+    if config.drain_timeout_s <= 0:
+        return
+    vllm_config.shutdown_timeout = math.ceil(config.drain_timeout_s)
+    log.warning(
+        "kvstrata: vLLM's shutdown timeout raised from 0 to %d s (drain_timeout_s), so that a stop "
+        "finishes the saves in flight; pass --shutdown-timeout to choose another",
+        vllm_config.shutdown_timeout,
+    )

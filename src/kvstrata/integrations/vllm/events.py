@@ -49,7 +49,8 @@ class EventLog:
             self.path = path
 
     def emit(self, event: str, *, blocks: int = 0, **fields: Any) -> None:
-        """Record ``event`` (``lookup``, ``load``, ``load_error``, ``save``, ``save_error``)."""
+        """Record ``event`` (``lookup``, ``load``, ``load_error``, ``save``, ``save_error``,
+        ``drain``: a stop's saves, with how many were ``unsaved`` by its deadline)."""
         record = {"t": round(time.time(), 6), "pid": os.getpid(), "event": event}
         record.update(fields)
         if blocks:

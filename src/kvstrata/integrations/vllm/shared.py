@@ -13,7 +13,9 @@ process.
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the scheduler side uses the worker's store.
 
 The store is closed (pending saves handed to it first, queued L3/L4 writes flushed, write-back
-blocks persisted) when the last role in the process releases it, and at interpreter exit.
+blocks persisted) when the last role in the process releases it, and at interpreter exit. That
+drain is bounded: what is not saved by its deadline is logged with a count, and the store is then
+left as a crash would leave it (its last commits intact), not closed under the writes still going.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import atexit
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstrata.config import StoreConfig, WritePolicy
 from kvstrata.errors import ConfigError
+from kvstrata.integrations.vllm.events import EVENTS
 from kvstrata.layout import KVLayout
 from kvstrata.store import KVStore
 
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _open: list[_Entry] = []
+
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -72,15 +78,17 @@ def acquire(
 
 
 def on_close(store: KVStore, closer: Any) -> None:
-    """Call ``closer.close()`` before ``store`` closes (the worker's background saver and loader)."""
+    """Call ``closer.close(deadline)`` before ``store`` closes (the worker's background saver and
+    loader); it returns how many blocks it could not save by the deadline."""
     with _lock:
         for entry in _open:
             if entry.store is store:
                 entry.closers.append(closer)
 
 
-def release(store: KVStore) -> None:
-    """One role is done with ``store``; the last one closes it."""
+def release(store: KVStore, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    """One role is done with ``store``; the last one closes it, after at most ``drain_timeout_s``
+    for the saves in flight."""
     with _lock:
         for entry in list(_open):
             if entry.store is store:
@@ -91,18 +99,37 @@ def release(store: KVStore) -> None:
                 break
         else:
             return
-    _close(entry)
+    _close(entry, drain_timeout_s)
 
 
-def _close(entry: _Entry) -> None:
+def _close(entry: _Entry, drain_timeout_s: float) -> None:
+    started = time.monotonic()
+    deadline = started + drain_timeout_s
     try:
-        for closer in entry.closers:
-            closer.close()  # pending saves reach the store before it closes
+        unsaved = sum(int(closer.close(deadline) or 0) for closer in entry.closers)  # saves reach the store
         store = entry.store
-        if store.config.write_policy is WritePolicy.WRITE_BACK:
+        if store.config.write_policy is WritePolicy.WRITE_BACK and not unsaved:
             # write-back keeps blocks in memory only until they leave it: a clean stop writes them
             store.persist_memory()
-        store.close()  # flushes queued L3 and L4 writes
+        unwritten = store.wait_writes(max(0.0, deadline - time.monotonic()))
+        EVENTS.emit("drain", unsaved=unsaved + unwritten, seconds=round(time.monotonic() - started, 3))
+        if unsaved or unwritten:
+            log.warning(
+                "kvstrata: drain of %s: %d block(s) not saved within %.1f s (%d still being saved, "
+                "%d not written to disk); the store keeps its last commits",
+                entry.path,
+                unsaved + unwritten,
+                drain_timeout_s,
+                unsaved,
+                unwritten,
+            )
+            return  # the writes still going own the store: the process's exit ends them
+        log.info(
+            "kvstrata: drain of %s: the saves in flight written in %.2f s",
+            entry.path,
+            time.monotonic() - started,
+        )
+        store.close()  # flushes L4's queued writes, persists the counters
     except Exception:  # closing must not fail vLLM's shutdown
         log.exception("kvstrata: closing the store at %s failed", entry.path)
 
@@ -114,4 +141,4 @@ def close_all() -> None:
         entries = list(_open)
         _open.clear()
     for entry in entries:
-        _close(entry)
+        _close(entry, DEFAULT_DRAIN_TIMEOUT_S)

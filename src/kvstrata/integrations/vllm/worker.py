@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -120,12 +121,18 @@ class BlockSaver:
                     return
         self._queue.join()
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> int:
+        """Save what is queued (until ``deadline``, ``time.monotonic()``), then stop; the blocks
+        still queued or being saved at the deadline (not saved)."""
         if self._closed:
-            return
-        self._queue.put(None)
-        self._thread.join()
+            return 0
         self._closed = True
+        self._queue.put(None)
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not self._thread.is_alive():
+            return 0
+        with self._lock:
+            return len(self._pending)
 
     def _run(self) -> None:
         while True:
@@ -201,12 +208,13 @@ class BlockLoader:
             done, self._done = self._done, []
         return done
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Finish the loads queued (until ``deadline``), then stop."""
         if self._closed:
             return
-        self._queue.put(None)
-        self.thread.join()
         self._closed = True
+        self._queue.put(None)
+        self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:
@@ -253,9 +261,10 @@ class WorkerSide:
             ):
                 self._lowered.add(ident)
 
-    def close(self) -> None:
-        self.loader.close()
-        self.saver.close()
+    def close(self, deadline: float | None = None) -> int:
+        """Finish the loads and saves in flight (until ``deadline``); the blocks not saved."""
+        self.loader.close(deadline)
+        return self.saver.close(deadline)
 
     # -- setup -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
