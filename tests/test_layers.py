@@ -93,8 +93,6 @@ KNOWN_CLIMBS: list[tuple[str, str]] = []
 MAX_MODULE_LINES = 400
 KNOWN_LONG_MODULES: list[tuple[str, str]] = [
     ("engine/batch/forward.py", "pool"),
-    ("engine/engine.py", "drain"),
-    ("integrations/vllm/worker.py", "drain"),
     ("store/placement.py", "refactor"),
     ("store/restore.py", "refactor"),
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.engine.batch import StepBudget
+from kvstrata.engine.batch import SchedulerCounts, StepBudget
 from kvstrata.errors import ConfigError
 from kvstrata.priority import Priority
 
@@ -44,3 +44,16 @@ class BatchStats:
     steps: int
     interrupted_steps: int
     """Steps given up for a realtime arrival."""
+
+    @classmethod
+    def of(
+        cls, counts: SchedulerCounts, behind: dict[Priority, int], steps: int, interrupted: int
+    ) -> BatchStats:
+        """From the step scheduler's counts and the requests waiting behind their sessions."""
+        return cls(
+            queued={p: counts.queued.get(p, 0) + behind[p] for p in Priority},
+            running={p: counts.live.get(p, 0) for p in Priority},
+            preemptions={p: counts.preemptions.get(p, 0) for p in Priority},
+            steps=steps,
+            interrupted_steps=interrupted,
+        )

@@ -51,12 +51,17 @@ class DrainReport:
         return text
 
 
-def drain(inflight: Sequence[InFlight], cancel: Callable[[InFlight], None], deadline: float) -> DrainReport:
+def drain(
+    inflight: Sequence[InFlight], cancel: Callable[[InFlight], None], deadline: float | None
+) -> DrainReport:
     """Wait for ``inflight`` until the cancel point, cancel what runs then, wait for the rest
-    until ``deadline`` (``time.monotonic()``)."""
+    until ``deadline`` (``time.monotonic()``; None: wait for every one to end by itself)."""
     started = time.monotonic()
-    total = max(0.0, deadline - started)
     pending = {item.future: item for item in inflight}
+    if deadline is None:
+        futures.wait(pending)
+        return DrainReport(finished=len(pending), seconds=time.monotonic() - started)
+    total = max(0.0, deadline - started)
     done, running = futures.wait(pending, timeout=total * (1 - COMMIT_SHARE))
     for future in running:
         cancel(pending[future])

@@ -2,24 +2,20 @@
 
 A request goes through these steps (continuous batching; see :mod:`kvstrata.engine.batch`):
 
-1. on the caller's thread: tokenise the conversation (the chat template with the generation
-   prompt) and build the request's decoder (sampling, grammar, stop rules): a request that cannot
-   run is refused here, before anything is written. One request per session runs at a time; a
-   second one waits for the first to commit (:mod:`kvstrata.engine.scheduler`);
-2. on the store worker: hold the session's lease, find the longest stored prefix from any tier
-   and restore it into the request's row (:mod:`kvstrata.engine.session_jobs`); a slow restore
-   never stalls the batch;
-3. on the step thread, which owns the model: every step, the step scheduler picks the rows
-   (realtime first, then interactive, then background, chunked prefills, paused rows keep their
-   KV, no starvation); one forward pass runs them all; each row's decoder picks its token
-   (:mod:`kvstrata.engine.stepper`);
-4. on the store worker again: while the request runs, an incremental checkpoint every
-   ``checkpoint_every_tokens`` computed tokens (the step thread only posts it); when the request
-   finished or was cancelled, append the KV of every token it computed that is not saved yet
-   (all but the last generated one) and checkpoint, so the session's tokens are exactly the tokens
-   whose KV is stored; then the future resolves and the stream ends.
+1. on the caller's thread: its prompt's token ids and its decoder (:mod:`.prompts`): a request
+   that cannot run is refused here, before anything is written. One request per session runs at
+   a time; a second one waits for the first to commit (:mod:`kvstrata.engine.scheduler`);
+2. on the store worker: hold the session's lease, restore the longest stored prefix into the
+   request's row (:mod:`kvstrata.engine.session_jobs`); a slow restore never stalls the batch;
+3. on the step thread, which owns the model: every step, the step scheduler picks the rows (by
+   class, chunked prefills, no starvation); one forward pass runs them all; each row's decoder
+   picks its token (:mod:`kvstrata.engine.stepper`);
+4. on the store worker again: an incremental checkpoint every ``checkpoint_every_tokens`` computed
+   tokens while it runs, and at its end (finished or cancelled) the commit of the rest, so the
+   session's tokens are exactly the tokens whose KV is stored; then the future resolves.
 
-A single request is the batch of one: there is one decoding path.
+A single request is the batch of one: there is one decoding path. :meth:`Engine.drain` bounds a
+stop (:mod:`kvstrata.engine.drain`).
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ from kvstrata.engine.decoder import RequestDecoder
 from kvstrata.engine.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainReport, drain
 from kvstrata.engine.grammar import GrammarCompiler
 from kvstrata.engine.inflight import InFlight, ResponseStream, RowState
+from kvstrata.engine.prefetch import Prefetcher
 from kvstrata.engine.prompts import RequestPreparer
 from kvstrata.engine.requests import GenerationRequest, Message, Response
 from kvstrata.engine.scheduler import Admission
@@ -48,7 +45,7 @@ from kvstrata.engine.worker import PriorityWorker
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
 from kvstrata.integrations.transformers.packed_linear import pack_linears, pad_fp32_linears
-from kvstrata.policy.memory import MemoryMode, MemoryModeKind
+from kvstrata.policy.memory import MemoryMode
 from kvstrata.priority import Priority
 from kvstrata.runtime import release_openmp_threads
 from kvstrata.store import DEFAULT_NAMESPACE, KVStore
@@ -95,10 +92,6 @@ class Engine:
         linear layers' inputs of 2 or 3 rows past a multiple of 4 (same results within rounding,
         faster small-batch steps on the CPU; :mod:`kvstrata.integrations.transformers.packed_linear`)."""
         modes = {Priority.parse(p): mode for p, mode in (memory_modes or {}).items()}
-        for mode in modes.values():
-            mode.budget_blocks(store.layout.block_tokens)  # raises on a budget too small
-            if mode.kind is MemoryModeKind.IMPORTANCE and not track_importance:
-                raise ConfigError("the importance memory mode needs track_importance=True")
         layout = model.layout(store.layout.block_tokens)
         if layout != store.layout:
             raise ConfigError(f"the model's KV layout {layout} does not match the store's {store.layout}")
@@ -116,7 +109,7 @@ class Engine:
         self.store_lock = threading.RLock()
         """Held by whatever uses the store's sessions: the engine's store worker, and callers
         beside the engine (the server's admin actions)."""
-        self._jobs = SessionJobs(
+        self._jobs = SessionJobs(  # checks the memory modes
             model,
             store,
             l1_resident_sessions=l1_resident_sessions,
@@ -354,14 +347,9 @@ class Engine:
         self._stepper.record_logits = self._stepper.record_logits or logits
 
     def batch_stats(self) -> BatchStats:
-        counts = self._stepper.counts
-        behind = self._admission.behind_sessions()
-        return BatchStats(
-            queued={p: counts.queued.get(p, 0) + behind[p] for p in Priority},
-            running={p: counts.live.get(p, 0) for p in Priority},
-            preemptions={p: counts.preemptions.get(p, 0) for p in Priority},
-            steps=self._stepper.steps,
-            interrupted_steps=self._stepper.interrupted_steps,
+        stepper = self._stepper
+        return BatchStats.of(
+            stepper.counts, self._admission.behind_sessions(), stepper.steps, stepper.interrupted_steps
         )
 
     def busy(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
@@ -379,45 +367,34 @@ class Engine:
         """The session's request rate (requests/s), an exponential moving average; 0 if unknown."""
         return self._jobs.request_rate(session_id, namespace)
 
-    # -- scheduling ------------------------------------------------------------------------------
     def hint(self, next: Sequence[str], namespace: str = DEFAULT_NAMESPACE) -> None:
         """Say which sessions run next: their blocks are loaded into device memory in the
         background, overlapping the current request's compute."""
         if self._prefetcher is None:
-            from kvstrata.engine.prefetch import Prefetcher
-
             self._prefetcher = Prefetcher(self.store)
         self._prefetcher.hint(list(next), namespace)
 
-    def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> DrainReport:
+    def drain(self, timeout_s: float | None = DEFAULT_DRAIN_TIMEOUT_S) -> DrainReport:
         """Take no more requests, and give the ones in flight ``timeout_s`` in all to finish and
-        save what they computed (see :mod:`kvstrata.engine.drain`). Once only: a later call waits
-        for the first one and returns its report."""
+        save what they computed (None: no bound; see :mod:`kvstrata.engine.drain`). Once only: a
+        later call waits for the first one and returns its report."""
         with self._drain_lock:
             if self._drained is None:
                 self._admission.closed = True
-                deadline = time.monotonic() + timeout_s
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 self._drained = drain(list(self._inflight.values()), self._cancel, deadline)
             return self._drained
 
     def close(self, timeout_s: float | None = None) -> DrainReport:
-        """Take no more requests, let the ones in flight finish (with ``timeout_s``, or after a
-        :meth:`drain`: within its bound), stop the prefetcher. When the report is not
-        ``complete`` (requests still saving at the deadline), the engine's threads are left to
-        run: the caller must not close the store under them."""
-        if timeout_s is not None or self._drained is not None:
-            report = self.drain(timeout_s if timeout_s is not None else 0.0)
-            if not report.complete:
-                return report
-        else:
-            self._admission.closed = True
-            waited = list(self._inflight.values())
-            for inflight in waited:
-                inflight.future.exception()  # waits for its end
-            report = DrainReport(finished=len(waited))
-        self._stepper.wait_idle()
-        self._worker.wait_idle()
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
+        """:meth:`drain` (without a bound unless ``timeout_s``, or within the bound of an earlier
+        drain), then stop the engine's threads. When the report is not ``complete`` (requests
+        still saving at the deadline), they are left to run: the caller must not close the store
+        under them."""
+        report = self.drain(timeout_s)
+        if report.complete:
+            self._stepper.wait_idle()
+            self._worker.wait_idle()
+            if self._prefetcher is not None:
+                self._prefetcher.close()
+                self._prefetcher = None
         return report

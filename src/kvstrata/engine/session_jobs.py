@@ -42,7 +42,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 from kvstrata.integrations.transformers.model import LoadedModel
 from kvstrata.keys import LINEAGE_BYTES
-from kvstrata.policy.memory import MemoryMode
+from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 from kvstrata.priority import Priority
 from kvstrata.store import KVStore
 from kvstrata.store.sessions import Session
@@ -63,6 +63,10 @@ class SessionJobs:
     ) -> None:
         if l1_resident_sessions < 1:
             raise ConfigError("l1_resident_sessions must be >= 1")
+        for mode in memory_modes.values():
+            mode.budget_blocks(store.layout.block_tokens)  # raises on a budget too small
+            if mode.kind is MemoryModeKind.IMPORTANCE and not track_importance:
+                raise ConfigError("the importance memory mode needs track_importance=True")
         self.model = model
         self.store = store
         self.l1_resident_sessions = l1_resident_sessions
