@@ -41,13 +41,14 @@ def native_kernel() -> None:
     """Build (or load) the native decode-attention kernel, the int8 decode and the CRC32C of
     in-place restores before the first test, so that fp32 sdpa steps, int8 decodes and restores
     take the same path in every test, not one that depends on when a background build ends."""
-    from kvstrata.codecs import _native
+    from kvstrata.codecs import _native, _pages_native
     from kvstrata.engine.batch import decode_kernel
     from kvstrata.store import _native_crc
 
     decode_kernel.load(timeout=300)  # a build takes about half a minute (pytest's limit: 600 s)
     _native.LIBRARY.load(timeout=300)  # the int8 decode: about a second
     _native_crc.LIBRARY.load(timeout=300)  # the in-place restores' CRC32C: about a second
+    _pages_native.LIBRARY.load(timeout=300)  # encoded blocks' dequantization: about a second
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ SPECS = [
     ("fp16", {}),
     ("bf16", {}),
     ("int8", {}),
+    ("int8s", {}),
+    ("int8s", {"group_size": 16}),
     ("kivi4", {}),
     ("kivi2", {"key_group_tokens": 5}),
     ("delta", {}),

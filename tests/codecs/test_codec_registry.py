@@ -30,6 +30,7 @@ EXPECTED_NAMES = {
     CodecId.DELTA: "delta",
     CodecId.SPARSE: "sparse",
     CodecId.NAIVE_INT4: "naive_int4",
+    CodecId.INT8S: "int8s",
 }
 
 

@@ -12,7 +12,15 @@ from codec_builders import make_block, make_layout
 LOSSLESS = {"identity", "lossless", "delta"}
 # Loose sanity ceilings on max |error| for a unit-normal block (|x| < ~5); exact bounds live in
 # test_codec_lossy.py. They catch a codec that scrambles positions or scales.
-MAX_ABS_ERROR = {"fp16": 0.01, "bf16": 0.05, "int8": 0.05, "kivi4": 0.8, "kivi2": 3.0, "naive_int4": 0.8}
+MAX_ABS_ERROR = {
+    "fp16": 0.01,
+    "bf16": 0.05,
+    "int8": 0.05,
+    "int8s": 0.05,
+    "kivi4": 0.8,
+    "kivi2": 3.0,
+    "naive_int4": 0.8,
+}
 
 
 @pytest.mark.parametrize("start_pos", [0, 100])

@@ -13,6 +13,7 @@ from kvstrata.codecs.delta import DeltaCodec
 from kvstrata.codecs.downcast import Bf16Codec, Fp16Codec
 from kvstrata.codecs.identity import IdentityCodec
 from kvstrata.codecs.int8 import Int8Codec
+from kvstrata.codecs.int8s import Int8SymCodec
 from kvstrata.codecs.kivi import Kivi2Codec, Kivi4Codec
 from kvstrata.codecs.lossless import LosslessCodec
 from kvstrata.codecs.naive_int4 import NaiveInt4Codec
@@ -32,6 +33,7 @@ _REGISTRY: dict[CodecId, type] = {
     CodecId.DELTA: DeltaCodec,
     CodecId.SPARSE: SparseCodec,
     CodecId.NAIVE_INT4: NaiveInt4Codec,
+    CodecId.INT8S: Int8SymCodec,
 }
 
 
@@ -98,6 +100,7 @@ __all__ = [
     "Fp16Codec",
     "IdentityCodec",
     "Int8Codec",
+    "Int8SymCodec",
     "Kivi2Codec",
     "Kivi4Codec",
     "LosslessCodec",

@@ -25,7 +25,7 @@ class Quantized:
     zero: torch.Tensor  # float16, same shape as scale
 
 
-def _fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
+def fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
     """``x`` (float32) rounded to fp16 toward ``direction`` (-inf or +inf), never to nearest."""
     half = x.to(torch.float16)
     overshot = half.float() > x if direction < 0 else half.float() < x
@@ -35,8 +35,8 @@ def _fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
 def quantize(x: torch.Tensor, bits: int, codec_name: str) -> Quantized:
     """Quantize float32 ``x`` with one (scale, zero) per slice along the last axis."""
     levels = (1 << bits) - 1
-    zero = _fp16_toward(x.amin(dim=-1), float("-inf"))
-    scale = _fp16_toward((x.amax(dim=-1) - zero.float()) / levels, float("inf"))
+    zero = fp16_toward(x.amin(dim=-1), float("-inf"))
+    scale = fp16_toward((x.amax(dim=-1) - zero.float()) / levels, float("inf"))
     if not (bool(torch.isfinite(zero).all()) and bool(torch.isfinite(scale).all())):
         raise CodecError(f"{codec_name}: block values exceed the fp16 range of scales and zero points")
     scale32 = scale.float().unsqueeze(-1)

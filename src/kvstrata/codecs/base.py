@@ -32,6 +32,7 @@ class CodecId(enum.IntEnum):
     DELTA = 7
     SPARSE = 8
     NAIVE_INT4 = 9
+    INT8S = 10
 
 
 @dataclass(frozen=True, slots=True)

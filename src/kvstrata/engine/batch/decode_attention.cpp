@@ -1,14 +1,23 @@
 // Decode attention of a batched step on CPU: every decode row's one query (its query heads
-// grouped by the key/value head they share) against that row's own keys and values (float32 or
-// bfloat16), all rows in one call, in float32 arithmetic. Built on first use by kvstrata/engine/batch/decode_kernel.py (see its docstring for
-// why and for the measurements); that module falls back to torch's sdpa where this is not built.
+// grouped by the key/value head they share) against that row's own keys and values, all rows in
+// one call, in float32 arithmetic. A row's history is its exact tokens (float32 or bfloat16) and,
+// optionally, encoded blocks held as resident pages (kvstrata/codecs/pages.py: int8s, kivi4,
+// kivi2), which are dequantized inside the loops here, never into a buffer. Built on first use by
+// kvstrata/engine/batch/decode_kernel.py (see its docstring for why and for the measurements);
+// that module falls back to torch where this is not built.
 //
 // Work items are (row, kv head) pairs, longest history first, dealt round-robin to the threads of
 // torch's intra-op pool: one item is one thread's, so an item's arithmetic (and so its result)
 // does not depend on how many threads run or how the rows are batched.
+//
+// Attention does not depend on the order of the keys (their positions are inside them, rotated
+// in), so an item walks its pages in page-table order, then its exact tokens; the optional
+// attention mass it adds up per token (for importance) follows the same order.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,13 +29,17 @@ namespace {
 constexpr int kLanes = 16;      // floats in one 512-bit vector
 constexpr int kMaxGroup = 8;    // query heads per key/value head
 constexpr int kMaxChunks = 16;  // head_dim / kLanes: head_dim up to 256
+constexpr int kMaxHeadDim = kLanes * kMaxChunks;
+
+// page codecs: kvstrata.codecs.base.CodecId
+constexpr int64_t kKivi4 = 5, kKivi2 = 6, kInt8s = 10;
+constexpr int64_t kTableColumns = 4;  // codec, byte offset, tokens, group
 
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,f16c")
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int v16i __attribute__((vector_size(64)));
-typedef unsigned short v16h __attribute__((vector_size(32)));
 
 inline v16 load16(const float* p) {
   v16 x;
@@ -36,17 +49,56 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof x); }
 
+// Conversions go through intrinsics: GCC lowers __builtin_convertvector from a 16-byte vector
+// to a 64-byte one element by element under a target pragma (a scalar convert per lane).
+
 // 16 keys' or values' elements from `base` (float32, or bfloat16: its bits are a float's upper half)
 inline v16 load_kv(const void* base, int64_t index, bool bf16) {
   if (bf16) {
-    v16h half;
-    __builtin_memcpy(&half, static_cast<const unsigned short*>(base) + index, sizeof half);
-    const v16i bits = __builtin_convertvector(half, v16i) << 16;
-    v16 x;
-    __builtin_memcpy(&x, &bits, sizeof x);
-    return x;
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const unsigned short*>(base) + index));
+    return reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
   return load16(static_cast<const float*>(base) + index);
+}
+
+// 16 int8 codes as floats
+inline v16 load_i8(const unsigned char* p) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+}
+
+// 16 bytes as 16 ints (0..255)
+inline v16i load_u8(const unsigned char* p) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v16i>(_mm512_cvtepu8_epi32(c));
+}
+
+inline v16 to_float(v16i x) { return reinterpret_cast<v16>(_mm512_cvtepi32_ps(reinterpret_cast<__m512i>(x))); }
+
+inline float half_at(const unsigned char* p, int64_t index) {
+  unsigned short h;
+  __builtin_memcpy(&h, p + 2 * index, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+// 16 fp16 values as floats
+inline v16 halves16(const unsigned char* p) {
+  return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+// the first n (>= 1) of 16 lanes
+inline __mmask16 lanes_below(int64_t n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+inline void store_masked(float* p, __mmask16 valid, v16 x) {
+  _mm512_mask_storeu_ps(p, valid, reinterpret_cast<__m512>(x));
+}
+
+// `count` (a multiple of 16) fp16 values to floats
+inline void halves_to_floats(const unsigned char* p, int64_t count, float* out) {
+  for (int64_t i = 0; i < count; i += kLanes) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i));
+    store16(out + i, reinterpret_cast<v16>(_mm512_cvtph_ps(h)));
+  }
 }
 
 inline float hsum(v16 x) {
@@ -80,70 +132,261 @@ inline v16 exp16(v16 x) {
   return y * scale;
 }
 
-// One (row, kv head): `groups` queries of `chunks` * 16 floats against `length` keys and values
-// (`kstride` / `vstride` elements apart, bfloat16 if `bf16`). `scores`: room for groups * padded
-// length floats.
-// FixedGroups / FixedChunks: the shape as compile-time constants (0: the run-time arguments), so
-// that the common shapes keep their queries and accumulators in registers.
-template <int FixedGroups, int FixedChunks, bool BF16>
-void attend_shape(const float* q, const void* k, const void* v, int64_t length, int groups_arg,
-                  int chunks_arg, int64_t kstride, int64_t vstride, float scale, float* scores,
-                  float* out) {
-  const int groups = FixedGroups ? FixedGroups : groups_arg;
-  const int chunks = FixedChunks ? FixedChunks : chunks_arg;
-  constexpr bool bf16 = BF16;
-  const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
-  v16 qv[kMaxGroup][kMaxChunks];
-  for (int g = 0; g < groups; ++g)
-    for (int c = 0; c < chunks; ++c) qv[g][c] = load16(q + (g * chunks + c) * kLanes) * scale;
-  for (int64_t t = 0; t < length; ++t) {
-    v16 acc[kMaxGroup];
-    for (int g = 0; g < groups; ++g) acc[g] = v16{};
-    for (int c = 0; c < chunks; ++c) {
-      const v16 kc = load_kv(k, t * kstride + c * kLanes, bf16);
-      for (int g = 0; g < groups; ++g) acc[g] += qv[g][c] * kc;
-    }
-    for (int g = 0; g < groups; ++g) scores[g * padded + t] = hsum(acc[g]);
-  }
-  v16 lane;
-  for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
-  float inverse[kMaxGroup];
-  for (int g = 0; g < groups; ++g) {
-    float* s = scores + g * padded;
-    float top = s[0];
-    for (int64_t t = 1; t < length; ++t) top = std::max(top, s[t]);
-    v16 total = v16{};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      v16 e = exp16(load16(s + t) - top);
-      const auto valid = lane < static_cast<float>(length - t);
-      e = valid ? e : v16{};  // the padding past the history weighs nothing
-      store16(s + t, e);
-      total += e;
-    }
-    inverse[g] = 1.0f / hsum(total);
-  }
-  v16 acc[kMaxGroup][kMaxChunks];
-  for (int g = 0; g < groups; ++g)
-    for (int c = 0; c < chunks; ++c) acc[g][c] = v16{};
-  for (int64_t t = 0; t < length; ++t) {
-    for (int c = 0; c < chunks; ++c) {
-      const v16 vc = load_kv(v, t * vstride + c * kLanes, bf16);
-      for (int g = 0; g < groups; ++g) acc[g][c] += scores[g * padded + t] * vc;
-    }
-  }
-  for (int g = 0; g < groups; ++g)
-    for (int c = 0; c < chunks; ++c) store16(out + (g * chunks + c) * kLanes, acc[g][c] * inverse[g]);
+// One page of one (layer, head): where its parts lie (kvstrata/codecs/pages.py).
+struct Page {
+  int64_t codec, tokens, group;
+  const unsigned char* base;
+};
+
+// bytes of one (layer, head) page
+// Tokens a page's keys are padded to (int8s: whole vectors; kivi: whole 16-byte units of codes).
+inline int64_t key_tokens(int64_t codec, int64_t tokens) {
+  const int64_t span = codec == kInt8s ? kLanes : codec == kKivi4 ? 2 * kLanes : 4 * kLanes;
+  return (tokens + span - 1) / span * span;
 }
 
-void attend(const float* q, const void* k, const void* v, int64_t length, int groups, int chunks,
-            int64_t kstride, int64_t vstride, bool bf16, float scale, float* scores, float* out) {
-#define KVSTRATA_SHAPE(G, C)                                                                      \
-  if (groups == G && chunks == C) {                                                               \
-    if (bf16)                                                                                     \
-      return attend_shape<G, C, true>(q, k, v, length, groups, chunks, kstride, vstride, scale,   \
-                                      scores, out);                                               \
-    return attend_shape<G, C, false>(q, k, v, length, groups, chunks, kstride, vstride, scale,    \
-                                     scores, out);                                                \
+inline int64_t page_nbytes(int64_t codec, int64_t tokens, int64_t group, int64_t dim) {
+  const int64_t padded = key_tokens(codec, tokens), per_token = dim / group;
+  if (codec == kInt8s) return (padded + tokens) * dim + (padded + tokens) * per_token * 2;
+  const int64_t per_byte = codec == kKivi4 ? 2 : 4;
+  return (padded + tokens) * dim / per_byte + 2 * dim * 2 + 2 * tokens * per_token * 2;
+}
+
+// One (row, kv head): what it attends to.
+struct Item {
+  const void* k;  // exact tokens
+  const void* v;
+  int64_t exact, kstride, vstride;
+  const Page* pages;
+  int64_t num_pages, total;
+  float* mass;  // per token of the item's order (pages, then exact), or null
+};
+
+// The shape of one item's arithmetic: `groups` queries of `chunks` * 16 floats. FixedGroups /
+// FixedChunks: the shape as compile-time constants (0: the run-time arguments), so that the
+// common shapes keep their queries and accumulators in registers.
+template <int FixedGroups, int FixedChunks, bool BF16>
+struct Attend {
+  const int groups, chunks;
+  explicit Attend(int g, int c) : groups(FixedGroups ? FixedGroups : g), chunks(FixedChunks ? FixedChunks : c) {}
+
+  // Scores of an int8s page, 16 tokens at a time: the page's keys lie channel by channel, so
+  // q . k for 16 tokens is a sum over channels of q[d] times the 16 tokens' codes of channel d
+  // (no horizontal sum), times each token's scale (per scale group of channels).
+  void int8s_scores(const float* q, const Page& p, float* scores, int64_t padded) const {
+    const int dim = chunks * kLanes;
+    const int per_token = dim / p.group;
+    const int64_t tp = key_tokens(kInt8s, p.tokens);
+    const unsigned char* codes = p.base;
+    const unsigned char* kscale = p.base + tp * dim + p.tokens * dim;
+    for (int64_t t = 0; t < p.tokens; t += kLanes) {
+      v16 total[kMaxGroup];
+      for (int g = 0; g < groups; ++g) total[g] = v16{};
+      for (int sg = 0; sg < per_token; ++sg) {
+        v16 acc[kMaxGroup];
+        for (int g = 0; g < groups; ++g) acc[g] = v16{};
+        for (int d = sg * p.group; d < (sg + 1) * p.group; ++d) {
+          const v16 x = load_i8(codes + d * tp + t);
+          for (int g = 0; g < groups; ++g) acc[g] += q[g * dim + d] * x;
+        }
+        const v16 s = halves16(kscale + 2 * (sg * tp + t));
+        for (int g = 0; g < groups; ++g) total[g] += acc[g] * s;
+      }
+      const __mmask16 valid = lanes_below(p.tokens - t);
+      for (int g = 0; g < groups; ++g) store_masked(scores + g * padded + t, valid, total[g]);
+    }
+  }
+
+  // Scores of a KIVI page: keys per channel, so q . (codes * s + z) = (q * s) . codes + q . z;
+  // the codes lie channel by channel, a 16-byte unit holding 32 (4-bit) or 64 (2-bit) tokens.
+  template <int Bits>
+  void kivi_scores(const float* q, const Page& p, float* scores, int64_t padded) const {
+    constexpr int per_byte = 8 / Bits, span = kLanes * per_byte, mask = (1 << Bits) - 1;
+    const int dim = chunks * kLanes;
+    const int64_t tp = key_tokens(Bits == 4 ? kKivi4 : kKivi2, p.tokens);
+    const int64_t row = tp / per_byte;  // code bytes of one channel
+    const unsigned char* codes = p.base;
+    const unsigned char* kscale = p.base + dim * row + p.tokens * dim / per_byte;
+    const unsigned char* kzero = kscale + 2 * dim;
+    alignas(64) float s[kMaxHeadDim], z[kMaxHeadDim], qs[kMaxGroup * kMaxHeadDim];
+    halves_to_floats(kscale, dim, s);
+    halves_to_floats(kzero, dim, z);
+    float qz[kMaxGroup];
+    for (int g = 0; g < groups; ++g) {
+      v16 dot = v16{};
+      for (int c = 0; c < chunks; ++c) {
+        const v16 qc = load16(q + g * dim + c * kLanes);
+        store16(qs + g * dim + c * kLanes, qc * load16(s + c * kLanes));
+        dot += qc * load16(z + c * kLanes);
+      }
+      qz[g] = hsum(dot);
+    }
+    for (int64_t t = 0; t < p.tokens; t += span) {
+      v16 acc[kMaxGroup][per_byte];
+      for (int g = 0; g < groups; ++g)
+        for (int k = 0; k < per_byte; ++k) acc[g][k] = v16{};
+      for (int d = 0; d < dim; ++d) {
+        const v16i bytes = load_u8(codes + d * row + t / per_byte);
+        for (int k = 0; k < per_byte; ++k) {
+          const v16 x = to_float((bytes >> (k * Bits)) & mask);
+          for (int g = 0; g < groups; ++g) acc[g][k] += qs[g * dim + d] * x;
+        }
+      }
+      for (int k = 0; k < per_byte; ++k) {
+        const int64_t first = t + k * kLanes;
+        if (first >= p.tokens) break;
+        const __mmask16 valid = lanes_below(p.tokens - first);
+        for (int g = 0; g < groups; ++g) store_masked(scores + g * padded + first, valid, acc[g][k] + qz[g]);
+      }
+    }
+  }
+
+  // Values of an int8s page, weighted by the softmax numerators `w` (groups rows of `padded`).
+  void int8s_values(v16 (&acc)[kMaxGroup][kMaxChunks], const Page& p, const float* w,
+                    int64_t padded) const {
+    const int dim = chunks * kLanes;
+    const int per_token = dim / p.group;
+    const int64_t tp = key_tokens(kInt8s, p.tokens);
+    const unsigned char* codes = p.base + tp * dim;
+    const unsigned char* vscale = codes + p.tokens * dim + tp * per_token * 2;
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      if (per_token == 1) {
+        const float s = half_at(vscale, t);
+        float ws[kMaxGroup];
+        for (int g = 0; g < groups; ++g) ws[g] = w[g * padded + t] * s;
+        for (int c = 0; c < chunks; ++c) {
+          const v16 x = load_i8(codes + t * dim + c * kLanes);
+          for (int g = 0; g < groups; ++g) acc[g][c] += ws[g] * x;
+        }
+      } else {
+        for (int c = 0; c < chunks; ++c) {
+          const v16 x = load_i8(codes + t * dim + c * kLanes) *
+                        half_at(vscale, t * per_token + c * kLanes / p.group);
+          for (int g = 0; g < groups; ++g) acc[g][c] += w[g * padded + t] * x;
+        }
+      }
+    }
+  }
+
+  // Values of a KIVI page: per token (and value group) v = codes * s_t + z_t, so the weighted
+  // sum is (w * s_t) . codes plus (w . z_t) per value group; a token's 16-byte unit of codes
+  // unpacks into 2 (4-bit) or 4 (2-bit) vectors of consecutive channels.
+  template <int Bits>
+  void kivi_values(v16 (&acc)[kMaxGroup][kMaxChunks], const Page& p, const float* w,
+                   int64_t padded) const {
+    constexpr int per_byte = 8 / Bits, span = kLanes * per_byte, mask = (1 << Bits) - 1;
+    const int dim = chunks * kLanes, units = dim / span;
+    const int per_token = dim / p.group;  // value groups per token
+    const int64_t tp = key_tokens(Bits == 4 ? kKivi4 : kKivi2, p.tokens);
+    const unsigned char* codes = p.base + dim * tp / per_byte;
+    const unsigned char* vscale = codes + p.tokens * dim / per_byte + 4 * dim;
+    const unsigned char* vzero = vscale + p.tokens * per_token * 2;
+    float zsum[kMaxGroup][kMaxChunks];
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < per_token; ++c) zsum[g][c] = 0.0f;
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      for (int u = 0; u < units; ++u) {
+        const int vg = u * span / p.group;
+        const float s = half_at(vscale, t * per_token + vg);
+        float ws[kMaxGroup];
+        for (int g = 0; g < groups; ++g) ws[g] = w[g * padded + t] * s;
+        if (u * span % p.group == 0) {  // the group's first unit
+          const float z = half_at(vzero, t * per_token + vg);
+          for (int g = 0; g < groups; ++g) zsum[g][vg] += w[g * padded + t] * z;
+        }
+        const v16i bytes = load_u8(codes + t * (dim / per_byte) + u * kLanes);
+        for (int k = 0; k < per_byte; ++k) {
+          const v16 x = to_float((bytes >> (k * Bits)) & mask);
+          for (int g = 0; g < groups; ++g) acc[g][u * per_byte + k] += ws[g] * x;
+        }
+      }
+    }
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < chunks; ++c) acc[g][c] += zsum[g][c * kLanes / p.group];
+  }
+
+  void run(const float* q, const Item& it, float scale, float* scores, float* out) const {
+    constexpr bool bf16 = BF16;
+    const int64_t length = it.total;
+    const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
+    const int dim = chunks * kLanes;
+    v16 qv[kMaxGroup][kMaxChunks];
+    alignas(64) float qscaled[kMaxGroup * kMaxHeadDim];
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < chunks; ++c) {
+        qv[g][c] = load16(q + (g * chunks + c) * kLanes) * scale;
+        store16(qscaled + g * dim + c * kLanes, qv[g][c]);
+      }
+    int64_t t0 = 0;
+    for (int64_t i = 0; i < it.num_pages; ++i) {
+      const Page& p = it.pages[i];
+      if (p.codec == kInt8s) int8s_scores(qscaled, p, scores + t0, padded);
+      else if (p.codec == kKivi4) kivi_scores<4>(qscaled, p, scores + t0, padded);
+      else kivi_scores<2>(qscaled, p, scores + t0, padded);
+      t0 += p.tokens;
+    }
+    for (int64_t t = 0; t < it.exact; ++t) {
+      v16 acc[kMaxGroup];
+      for (int g = 0; g < groups; ++g) acc[g] = v16{};
+      for (int c = 0; c < chunks; ++c) {
+        const v16 kc = load_kv(it.k, t * it.kstride + c * kLanes, bf16);
+        for (int g = 0; g < groups; ++g) acc[g] += qv[g][c] * kc;
+      }
+      for (int g = 0; g < groups; ++g) scores[g * padded + t0 + t] = hsum(acc[g]);
+    }
+    v16 lane;
+    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
+    float inverse[kMaxGroup];
+    for (int g = 0; g < groups; ++g) {
+      float* s = scores + g * padded;
+      float top = s[0];
+      for (int64_t t = 1; t < length; ++t) top = std::max(top, s[t]);
+      v16 total = v16{};
+      for (int64_t t = 0; t < padded; t += kLanes) {
+        v16 e = exp16(load16(s + t) - top);
+        const auto valid = lane < static_cast<float>(length - t);
+        e = valid ? e : v16{};  // the padding past the history weighs nothing
+        store16(s + t, e);
+        total += e;
+      }
+      inverse[g] = 1.0f / hsum(total);
+    }
+    v16 acc[kMaxGroup][kMaxChunks];
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < chunks; ++c) acc[g][c] = v16{};
+    t0 = 0;
+    for (int64_t i = 0; i < it.num_pages; ++i) {
+      const Page& p = it.pages[i];
+      if (p.codec == kInt8s) int8s_values(acc, p, scores + t0, padded);
+      else if (p.codec == kKivi4) kivi_values<4>(acc, p, scores + t0, padded);
+      else kivi_values<2>(acc, p, scores + t0, padded);
+      t0 += p.tokens;
+    }
+    for (int64_t t = 0; t < it.exact; ++t) {
+      for (int c = 0; c < chunks; ++c) {
+        const v16 vc = load_kv(it.v, t * it.vstride + c * kLanes, bf16);
+        for (int g = 0; g < groups; ++g) acc[g][c] += scores[g * padded + t0 + t] * vc;
+      }
+    }
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < chunks; ++c) store16(out + (g * chunks + c) * kLanes, acc[g][c] * inverse[g]);
+    if (it.mass != nullptr) {  // each token's probability, summed over the group's queries
+      for (int64_t t = 0; t < padded; t += kLanes) {
+        v16 m = v16{};
+        for (int g = 0; g < groups; ++g) m += load16(scores + g * padded + t) * inverse[g];
+        const int64_t n = std::min<int64_t>(kLanes, length - t);
+        for (int i = 0; i < n; ++i) it.mass[t + i] += m[i];
+      }
+    }
+  }
+};
+
+void attend(const float* q, const Item& it, int groups, int chunks, bool bf16, float scale,
+            float* scores, float* out) {
+#define KVSTRATA_SHAPE(G, C)                                                        \
+  if (groups == G && chunks == C) {                                                 \
+    if (bf16) return Attend<G, C, true>(groups, chunks).run(q, it, scale, scores, out); \
+    return Attend<G, C, false>(groups, chunks).run(q, it, scale, scores, out);      \
   }
   KVSTRATA_SHAPE(3, 4)  // SmolLM2-135M: 9 query heads over 3, head_dim 64
   KVSTRATA_SHAPE(4, 4)
@@ -151,23 +394,33 @@ void attend(const float* q, const void* k, const void* v, int64_t length, int gr
   KVSTRATA_SHAPE(4, 8)  // Llama-3 8B: 32 over 8, head_dim 128
   KVSTRATA_SHAPE(8, 8)
 #undef KVSTRATA_SHAPE
-  if (bf16)
-    return attend_shape<0, 0, true>(q, k, v, length, groups, chunks, kstride, vstride, scale,
-                                    scores, out);
-  attend_shape<0, 0, false>(q, k, v, length, groups, chunks, kstride, vstride, scale, scores, out);
+  if (bf16) return Attend<0, 0, true>(groups, chunks).run(q, it, scale, scores, out);
+  Attend<0, 0, false>(groups, chunks).run(q, it, scale, scores, out);
 }
 
 #pragma GCC pop_options
 
+bool page_fits(int64_t codec, int64_t group, int64_t dim) {
+  if (codec != kInt8s && codec != kKivi4 && codec != kKivi2) return false;
+  const int64_t span = codec == kInt8s ? kLanes : codec == kKivi4 ? 2 * kLanes : 4 * kLanes;
+  return group >= 1 && dim % span == 0 && group % span == 0 && dim % group == 0;
+}
+
 }  // namespace
 
-bool supported() { return __builtin_cpu_supports("avx512f"); }
+bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); }
 
 // query: (rows, kv_heads, group, head_dim) float32; keys[r], values[r]: (1, kv_heads, length_r,
-// head_dim), all float32 or all bfloat16, on CPU with the last dimension contiguous. Returns
-// (rows, kv_heads, group, head_dim) float32.
+// head_dim), all float32 or all bfloat16, on CPU with the last dimension contiguous (the row's
+// exact tokens). Optionally, per row: arenas[r] (uint8, the row's pages) with tables[r] (int64
+// (pages, 4): codec, byte offset, tokens, group; see kvstrata/codecs/pages.py), read at `layer`
+// of `num_layers`; masses[r] (float32 (kv_heads, >= tokens)) to which each token's attention
+// probability (summed over its group's queries) is added. Returns (rows, kv_heads, group,
+// head_dim) float32.
 at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tensor>& keys,
-                            const std::vector<at::Tensor>& values, double scale) {
+                            const std::vector<at::Tensor>& values, double scale,
+                            const std::vector<at::Tensor>& arenas, const std::vector<at::Tensor>& tables,
+                            int64_t layer, int64_t num_layers, const std::vector<at::Tensor>& masses) {
   TORCH_CHECK(supported(), "decode_attention needs a CPU with AVX-512");
   TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat && query.device().is_cpu(),
               "query: float32 (rows, kv_heads, group, head_dim) on CPU");
@@ -176,28 +429,67 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
               "one keys and one values tensor per row");
   TORCH_CHECK(rows >= 1, "at least one row");
+  const bool paged = !arenas.empty();
+  TORCH_CHECK(!paged || (static_cast<int64_t>(arenas.size()) == rows &&
+                         static_cast<int64_t>(tables.size()) == rows),
+              "one arena and one page table per row, or none");
+  TORCH_CHECK(!paged || (num_layers >= 1 && layer >= 0 && layer < num_layers), "layer out of range");
+  TORCH_CHECK(masses.empty() || static_cast<int64_t>(masses.size()) == rows, "one mass tensor per row, or none");
   const at::ScalarType kv_type = keys[0].scalar_type();
   TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "keys and values: float32 or bfloat16");
   TORCH_CHECK(dim % kLanes == 0 && dim / kLanes <= kMaxChunks && groups >= 1 && groups <= kMaxGroup,
               "head_dim must be a multiple of 16 up to 256, and 1 to 8 query heads per kv head");
+  std::vector<std::vector<Page>> pages(rows);
+  std::vector<int64_t> totals(rows);
   for (int64_t r = 0; r < rows; ++r) {
     for (const at::Tensor* t : {&keys[r], &values[r]}) {
       TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == heads && t->size(3) == dim &&
-                      t->size(2) >= 1 && t->scalar_type() == kv_type && t->device().is_cpu() &&
-                      t->stride(3) == 1,
-                  "keys and values: all float32 or all bfloat16, (1, kv_heads, length >= 1, head_dim) "
+                      t->scalar_type() == kv_type && t->device().is_cpu() && t->stride(3) == 1,
+                  "keys and values: all float32 or all bfloat16, (1, kv_heads, length, head_dim) "
                   "on CPU, last dim contiguous");
     }
     TORCH_CHECK(keys[r].size(2) == values[r].size(2), "a row's keys and values differ in length");
+    int64_t total = keys[r].size(2);
+    if (paged && tables[r].numel() > 0) {
+      const at::Tensor& arena = arenas[r];
+      const at::Tensor& table = tables[r];
+      TORCH_CHECK(arena.dim() == 1 && arena.scalar_type() == at::kByte && arena.device().is_cpu() &&
+                      arena.is_contiguous(),
+                  "arenas: contiguous uint8 on CPU");
+      TORCH_CHECK(table.dim() == 2 && table.size(1) == kTableColumns && table.scalar_type() == at::kLong &&
+                      table.is_contiguous(),
+                  "page tables: contiguous int64 (pages, 4)");
+      const int64_t* rowsp = table.data_ptr<int64_t>();
+      const unsigned char* base = arena.data_ptr<unsigned char>();
+      for (int64_t i = 0; i < table.size(0); ++i) {
+        const int64_t codec = rowsp[i * 4], offset = rowsp[i * 4 + 1], tokens = rowsp[i * 4 + 2],
+                      group = rowsp[i * 4 + 3];
+        TORCH_CHECK(page_fits(codec, group, dim), "a page of codec ", codec, " and group ", group,
+                    " that this kernel does not read (head_dim ", dim, ")");
+        TORCH_CHECK(tokens >= 1, "a page of no tokens");
+        const int64_t nbytes = page_nbytes(codec, tokens, group, dim);
+        TORCH_CHECK(offset >= 0 && offset + num_layers * heads * nbytes <= arena.numel(),
+                    "a page lies outside its arena");
+        pages[r].push_back(Page{codec, tokens, group, base + offset + layer * heads * nbytes});
+        total += tokens;
+      }
+    }
+    TORCH_CHECK(total >= 1, "a row attends to at least one token");
+    totals[r] = total;
+    if (!masses.empty() && masses[r].numel() > 0) {
+      const at::Tensor& m = masses[r];
+      TORCH_CHECK(m.dim() == 2 && m.size(0) == heads && m.size(1) >= total && m.scalar_type() == at::kFloat &&
+                      m.stride(1) == 1 && m.device().is_cpu(),
+                  "masses: float32 (kv_heads, >= tokens) on CPU, last dim contiguous");
+    }
   }
   const at::Tensor q = query.contiguous();
   at::Tensor out = at::empty({rows, heads, groups, dim}, query.options());
   const int64_t items = rows * heads;
   std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return keys[a / heads].size(2) > keys[b / heads].size(2);
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return totals[a / heads] > totals[b / heads]; });
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   const bool bf16 = kv_type == at::kBFloat16;
   const int64_t element = bf16 ? 2 : 4;
@@ -205,18 +497,30 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
   float* odata = out.data_ptr<float>();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<Page> head_pages;
     for (int64_t thread = begin; thread < end; ++thread) {
       for (int64_t i = thread; i < items; i += threads) {
         const int64_t r = order[i] / heads, h = order[i] % heads;
         const at::Tensor& k = keys[r];
         const at::Tensor& v = values[r];
-        const int64_t length = k.size(2);
-        scores.resize(groups * ((length + kLanes - 1) / kLanes * kLanes));
-        const char* kdata = static_cast<const char*>(k.data_ptr()) + h * k.stride(1) * element;
-        const char* vdata = static_cast<const char*>(v.data_ptr()) + h * v.stride(1) * element;
-        attend(qdata + (r * heads + h) * groups * dim, kdata, vdata, length, static_cast<int>(groups),
-               static_cast<int>(dim / kLanes), k.stride(2), v.stride(2), bf16,
-               static_cast<float>(scale), scores.data(), odata + (r * heads + h) * groups * dim);
+        head_pages = pages[r];
+        for (Page& p : head_pages) p.base += h * page_nbytes(p.codec, p.tokens, p.group, dim);
+        float* mass = nullptr;
+        if (!masses.empty() && masses[r].numel() > 0)
+          mass = masses[r].data_ptr<float>() + h * masses[r].stride(0);
+        const Item item{static_cast<const char*>(k.data_ptr()) + h * k.stride(1) * element,
+                        static_cast<const char*>(v.data_ptr()) + h * v.stride(1) * element,
+                        k.size(2),
+                        k.stride(2),
+                        v.stride(2),
+                        head_pages.data(),
+                        static_cast<int64_t>(head_pages.size()),
+                        totals[r],
+                        mass};
+        scores.resize(groups * ((totals[r] + kLanes - 1) / kLanes * kLanes));
+        attend(qdata + (r * heads + h) * groups * dim, item, static_cast<int>(groups),
+               static_cast<int>(dim / kLanes), bf16, static_cast<float>(scale), scores.data(),
+               odata + (r * heads + h) * groups * dim);
       }
     }
   });
@@ -224,8 +528,12 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512).");
+  m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512 and F16C).");
   // the arguments are converted first; the GIL is then released, as torch's own operators do
-  m.def("decode_attention", &decode_attention, "Decode rows' attention (fp32 or bf16 KV), on CPU.",
+  m.def("decode_attention", &decode_attention,
+        "Decode rows' attention (fp32 or bf16 exact KV, int8s / kivi4 / kivi2 pages), on CPU.",
+        py::arg("query"), py::arg("keys"), py::arg("values"), py::arg("scale"),
+        py::arg("arenas") = std::vector<at::Tensor>(), py::arg("tables") = std::vector<at::Tensor>(),
+        py::arg("layer") = 0, py::arg("num_layers") = 1, py::arg("masses") = std::vector<at::Tensor>(),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -161,12 +162,42 @@ def decode_attention(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     scaling: float,
+    pages: PagedRows | None = None,
+    masses: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Rows' one-query attention: ``query`` ``(rows, heads, head_dim)`` against each row's
-    ``(1, kv_heads, length, head_dim)`` keys and values (float32 or bfloat16, all alike); returns
-    ``(rows, heads, head_dim)`` in the query's dtype (the arithmetic is float32)."""
+    ``(1, kv_heads, length, head_dim)`` exact keys and values (float32 or bfloat16, all alike)
+    and, with ``pages``, each row's encoded blocks (resident pages, read in place); returns
+    ``(rows, heads, head_dim)`` in the query's dtype (the arithmetic is float32). ``masses``: per
+    row a float32 ``(kv_heads, >= tokens)`` tensor (or an empty one) to which each token's
+    attention probability is added, pages first (in table order), then exact tokens."""
     rows, heads, dim = query.shape
     kv_heads = keys[0].shape[1]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
-    out = module.decode_attention(grouped, keys, values, scaling).view(rows, heads, dim)
-    return out.to(query.dtype)
+    if pages is None:
+        out = module.decode_attention(grouped, keys, values, scaling, masses=masses or [])
+    else:
+        out = module.decode_attention(
+            grouped,
+            keys,
+            values,
+            scaling,
+            pages.arenas,
+            pages.tables,
+            pages.layer,
+            pages.num_layers,
+            masses or [],
+        )
+    return out.view(rows, heads, dim).to(query.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedRows:
+    """The rows' encoded blocks for one kernel call: per row its page arena (uint8) and page table
+    (int64 ``(pages, 4)``, :mod:`kvstrata.codecs.pages`), empty for a row with none, read at
+    ``layer`` of ``num_layers``."""
+
+    arenas: list[torch.Tensor]
+    tables: list[torch.Tensor]
+    layer: int
+    num_layers: int

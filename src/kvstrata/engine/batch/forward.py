@@ -12,17 +12,8 @@ store (``cache_for`` / ``KVStrataCache.from_loaded``), appended to in place, and
 with the same ``commit`` path when its request ends. Rows join and leave between steps without
 touching other rows' KV.
 
-How a step reaches the rows: the model gets a small :class:`Cache` whose ``update`` appends each
-row's slice of the packed new keys and values to that row's layer, and the attention function
-receives the step (the rows and their slices of the packed sequence) as a keyword argument
-(transformers passes unknown forward kwargs down to the attention function). The causal mask
-is built per row (bottom-right aligned: a query sees its row's history and the row's earlier
-new tokens); the model builds no mask of its own for an attention implementation it does not
-know. Per row, attention is the model's own implementation (``eager`` or ``sdpa``; with sdpa a
-decode row groups its query heads by KV head, one kernel call), so a row's logits match the
-same request run alone within float rounding (the tests check 1e-4 and equal greedy tokens).
-With sdpa on a CPU, once :mod:`.decode_kernel`'s native kernel is built, the decode rows of a
-layer (one query each, no attention tracking) go to it in one call instead.
+How a step reaches the rows, and what each row's attention is (exact tokens, and blocks held
+encoded that the native decode kernel reads in place): :mod:`.attention`.
 
 Why not transformers' continuous batching (``transformers.generation.continuous_batching``,
 5.24): it is a complete serving loop (``ContinuousBatchingManager`` with its own thread,
@@ -53,28 +44,27 @@ pads short rows to the longest; packed rows copy nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from types import ModuleType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from kvstrata.engine.batch import decode_kernel
-from kvstrata.errors import ConfigError, KVStrataError
+from kvstrata.engine.batch.attention import (
+    ATTENTION_NAME,
+    STEP_KWARG,
+    Step,
+    StepCache,
+    StepInterrupted,
+    batched_attention,
+    row_mask,
+)
+from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 
-ATTENTION_NAME = "kvstrata_batched"
-_STEP_KWARG = "kvstrata_step"
 _BASE_IMPLEMENTATIONS = ("eager", "sdpa")
-
-
-class StepInterrupted(KVStrataError):
-    """A step was given up before its end (its ``interrupt`` asked for it): every row is as it
-    was before the step, and nothing of it counts."""
+__all__ = ["BatchRow", "BatchedForward", "Segment", "StepInterrupted"]
 
 
 class BatchRow:
@@ -83,7 +73,10 @@ class BatchRow:
     ``position_offset``: how far the row's positions lie past its cache slots (a lossy memory
     mode keeps the original positions of a pruned prefix; its new tokens continue from there).
     ``track_attention``: accumulate, per cache slot, the attention probability mass the slot
-    received (summed over layers, heads and queries), for importance-aware eviction.
+    received (summed over layers, heads and queries), for importance-aware eviction and grading.
+    A decode step adds it up in the native kernel as a by-product of its softmax (about 1% of
+    the kernel's time; ``kvstrata bench pool``); a prefill step, or a decode step without the
+    kernel, runs eager attention for the row, which returns the probabilities.
     """
 
     def __init__(
@@ -96,6 +89,9 @@ class BatchRow:
         self.attention_mass: torch.Tensor | None = (
             torch.zeros(0, dtype=torch.float64) if track_attention else None
         )
+        self._kernel_mass = torch.empty(0)
+        """What the kernel added up, float32 ``(kv_heads, slots)``: folded into ``attention_mass``
+        when it is read."""
 
     @classmethod
     def empty(cls, model: torch.nn.Module, **kwargs: Any) -> BatchRow:
@@ -112,19 +108,50 @@ class BatchRow:
         return self.length + self.position_offset
 
     def block_mass(self, block_tokens: int, num_blocks: int | None = None) -> torch.Tensor:
-        """The tracked attention mass folded per block of ``block_tokens`` slots (float64)."""
+        """The tracked attention mass folded per block of ``block_tokens`` tokens of the sequence
+        (float64); slots of encoded blocks count for the positions they hold."""
         if self.attention_mass is None:
             raise ConfigError("this row does not track attention (track_attention=False)")
+        self._fold_kernel_mass()
         mass = self.attention_mass
+        if self.cache.pages is not None and len(self.cache.pages):
+            positions = self.cache.slot_positions()
+            n = min(mass.numel(), positions.numel())
+            logical = torch.zeros(positions.numel(), dtype=torch.float64)
+            logical[positions[:n]] = mass[:n]
+            mass = logical
         blocks = (mass.numel() + block_tokens - 1) // block_tokens if num_blocks is None else num_blocks
         out = torch.zeros(blocks, dtype=torch.float64)
         n = min(mass.numel(), blocks * block_tokens)
         out.index_add_(0, torch.arange(n) // block_tokens, mass[:n])
         return out
 
-    def _add_attention(self, weights: torch.Tensor) -> None:
+    def kernel_mass_buffer(self) -> torch.Tensor:
+        """Where the kernel adds this row's attention mass in its next decode step: float32
+        ``(kv_heads, >= slots + 1)``; empty when the row tracks none (or has no history yet)."""
+        layer = self.cache.layers[0]
+        if self.attention_mass is None or layer.keys is None:
+            return torch.empty(0)
+        heads, needed = layer.keys.shape[1], self.length + 1
+        if self._kernel_mass.dim() != 2 or self._kernel_mass.shape[1] < needed:
+            grown = torch.zeros(heads, max(needed, 2 * self._kernel_mass.shape[-1], 64))
+            if self._kernel_mass.dim() == 2:
+                grown[:, : self._kernel_mass.shape[1]] = self._kernel_mass
+            self._kernel_mass = grown
+        return self._kernel_mass
+
+    def _fold_kernel_mass(self) -> None:
+        if self._kernel_mass.dim() != 2:
+            return
+        self.add_per_slot(self._kernel_mass[:, : self.length].to(torch.float64).sum(dim=0))
+        self._kernel_mass = torch.zeros_like(self._kernel_mass)  # not zero_(): it may be an inference tensor
+
+    def add_attention(self, weights: torch.Tensor) -> None:
+        """Add eager attention's probabilities ``(1, heads, queries, slots)``."""
+        self.add_per_slot(weights.detach().to(torch.float64).sum(dim=(0, 1, 2)).cpu())
+
+    def add_per_slot(self, per_slot: torch.Tensor) -> None:
         assert self.attention_mass is not None
-        per_slot = weights.detach().to(torch.float64).sum(dim=(0, 1, 2)).cpu()
         if per_slot.numel() > self.attention_mass.numel():
             grown = torch.zeros(per_slot.numel(), dtype=torch.float64)
             grown[: self.attention_mass.numel()] = self.attention_mass
@@ -140,135 +167,6 @@ class Segment:
     row: BatchRow
     token_ids: Sequence[int]
     logits: bool = True
-
-
-@dataclass(slots=True)
-class _Step:
-    """What the cache and the attention function of one forward pass share."""
-
-    rows: list[BatchRow]
-    sizes: list[int]
-    """Each row's new tokens, in packed order: the packed tensors are split by them."""
-    base_attention: str
-    interrupt: Callable[[], bool] | None = None
-    kernel: ModuleType | None = None
-    """The native decode-attention kernel (:mod:`.decode_kernel`), for the rows in ``native``."""
-    native: list[int] = field(default_factory=list)
-    """The rows whose attention the kernel computes: one query, no attention tracking."""
-    native_tokens: torch.Tensor | None = None
-    """Their queries' places in the packed sequence (None: every row is native, in order)."""
-    masks: list[torch.Tensor | None] = field(default_factory=list)
-    views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-
-
-class _StepCache(Cache):
-    """The cache the model sees during a batched step: ``update`` appends each row's slice of the
-    packed new KV to the row's own layer and keeps views of the rows' whole KV for attention."""
-
-    def __init__(self, step: _Step) -> None:
-        super().__init__(layers=[])
-        self.step = step
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        sizes = self.step.sizes
-        keys, values = key_states.split(sizes, dim=2), value_states.split(sizes, dim=2)
-        self.step.views[layer_idx] = [
-            row.cache.layers[layer_idx].update(k, v)
-            for row, k, v in zip(self.step.rows, keys, values, strict=True)
-        ]
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always given explicitly
-
-
-def _batched_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention of the packed queries ``(1, heads, T, D)``, each row against its own KV."""
-    step: _Step | None = kwargs.pop(_STEP_KWARG, None)
-    if step is None:
-        raise ConfigError(f"the {ATTENTION_NAME!r} attention runs only inside BatchedForward.forward")
-    base = ALL_ATTENTION_FUNCTIONS.get_interface(step.base_attention, eager_attention_forward)
-    layer_idx: int = module.layer_idx  # type: ignore[assignment]
-    if step.interrupt is not None and step.interrupt():
-        raise StepInterrupted(f"the step was given up at layer {layer_idx}")
-    views = step.views[layer_idx]
-    outputs: list[torch.Tensor | None] = [None] * len(step.rows)
-    if step.kernel is not None and step.native:
-        native = _native_attention(step, query, views, scaling)  # (rows, heads, D)
-        if step.native_tokens is None:
-            return native.unsqueeze(0), None
-        for i, out in zip(step.native, native.unsqueeze(1).unsqueeze(1), strict=True):
-            outputs[i] = out
-    sdpa = step.base_attention == "sdpa"
-    rows = zip(step.rows, query.split(step.sizes, dim=2), views, step.masks, strict=True)
-    for i, (row, q, (keys, values), mask) in enumerate(rows):
-        if outputs[i] is not None:
-            continue
-        if row.attention_mass is not None:  # eager, which returns the probabilities
-            out, weights = eager_attention_forward(
-                module, q, keys, values, mask, scaling=scaling, dropout=0.0
-            )
-            row._add_attention(weights)
-        elif sdpa and q.shape[2] == 1:
-            out = _sdpa_one_query(q, keys, values, scaling)
-        else:
-            out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=0.0)
-        outputs[i] = out  # (1, n, heads, D)
-    return torch.cat(outputs, dim=1), None  # type: ignore[arg-type]
-
-
-def _native_attention(
-    step: _Step, query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]], scaling: float
-) -> torch.Tensor:
-    """The native rows' attention in one kernel call: ``(rows, heads, D)``."""
-    assert step.kernel is not None
-    packed = query[0].transpose(0, 1)  # (T, heads, D)
-    if step.native_tokens is not None:
-        packed = packed.index_select(0, step.native_tokens)
-    keys = [views[i][0] for i in step.native]
-    values = [views[i][1] for i in step.native]
-    return decode_kernel.decode_attention(step.kernel, packed, keys, values, scaling)
-
-
-def _sdpa_one_query(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """A decode row's attention, its query heads grouped by the key/value head they share (the
-    group stands where the query tokens would): one kernel call without repeating the KV, and
-    on CPU several times faster in bf16 than sdpa's ``enable_gqa`` path (measured in the
-    batching bench). Returns ``(1, 1, heads, D)`` as the attention functions do."""
-    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
-    grouped = query.reshape(1, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
-    return out.reshape(1, 1, heads, dim)
-
-
-def _row_mask(
-    n_new: int, n_total: int, dtype: torch.dtype, device: torch.device, base: str
-) -> torch.Tensor | None:
-    """The causal mask of a row's ``n_new`` queries over its ``n_total`` keys (the last ``n_new``
-    are the queries' own): query ``i`` sees keys ``0 .. n_total - n_new + i``. None when no key
-    is hidden (one query), or for sdpa when its own ``is_causal`` is exact (no history)."""
-    if n_new == 1 or (base == "sdpa" and n_new == n_total):
-        return None
-    first_hidden = torch.arange(n_new, device=device) + (n_total - n_new) + 1
-    hidden = torch.arange(n_total, device=device)[None, :] >= first_hidden[:, None]
-    if base == "sdpa":
-        return (~hidden).view(1, 1, n_new, n_total)
-    mask = torch.zeros(n_new, n_total, dtype=dtype, device=device)
-    mask.masked_fill_(hidden, torch.finfo(dtype).min)
-    return mask.view(1, 1, n_new, n_total)
 
 
 class BatchedForward:
@@ -299,7 +197,7 @@ class BatchedForward:
         )
         if self._native:
             decode_kernel.start()  # in the background; sdpa until it is loaded
-        AttentionInterface.register(ATTENTION_NAME, _batched_attention)  # idempotent
+        AttentionInterface.register(ATTENTION_NAME, batched_attention)  # idempotent
 
     @torch.inference_mode()
     def forward(
@@ -315,12 +213,13 @@ class BatchedForward:
         rows, sizes, ids, positions, keep = self._pack(segments)
         if not rows:
             return []
-        step = _Step(rows, sizes, self.base_attention, interrupt)
-        if self._native:
-            self._plan_native(step)
+        step = Step(rows, sizes, self.base_attention, self.num_layers, interrupt)
+        kernel = decode_kernel.loaded() if self._native else None
+        if kernel is not None:
+            step.plan_native(kernel, self._input_device)
         dtype = self.model.dtype
         for row, n_new in zip(rows, sizes, strict=True):
-            mask = _row_mask(n_new, row.length + n_new, dtype, self._input_device, self.base_attention)
+            mask = row_mask(n_new, row.length + n_new, dtype, self._input_device, self.base_attention)
             step.masks.append(mask)
         lengths = [row.length for row in rows]
         device = self._input_device
@@ -333,10 +232,10 @@ class BatchedForward:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                cache=_StepCache(step),
+                cache=StepCache(step),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
-                **{_STEP_KWARG: step},
+                **{STEP_KWARG: step},
             )
         except BaseException:
             for row, length in zip(rows, lengths, strict=True):
@@ -354,21 +253,6 @@ class BatchedForward:
             else:
                 result.append(None)
         return result
-
-    def _plan_native(self, step: _Step) -> None:
-        """Give the kernel (once it is loaded) the step's decode rows that track no attention."""
-        step.kernel = decode_kernel.loaded()
-        if step.kernel is None:
-            return
-        tokens: list[int] = []
-        offset = 0
-        for i, (row, n_new) in enumerate(zip(step.rows, step.sizes, strict=True)):
-            if n_new == 1 and row.attention_mass is None:
-                step.native.append(i)
-                tokens.append(offset)
-            offset += n_new
-        if len(step.native) != offset:  # some rows prefill or track attention
-            step.native_tokens = torch.tensor(tokens, dtype=torch.long, device=self._input_device)
 
     def _pack(
         self, segments: Sequence[Segment]

@@ -11,141 +11,43 @@ after a position back into the store's block shape for :meth:`KVStore.append`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
+from kvstrata.codecs.arena import PageArena
 from kvstrata.errors import ConfigError
+from kvstrata.integrations.transformers.layer import KVStrataLayer
+from kvstrata.integrations.transformers.paged import DenseScratch, PagedLayer, slot_positions
 
 if TYPE_CHECKING:
     from kvstrata.store import KVStore, LoadedKV
     from kvstrata.store.sessions import Session
 
-_MIN_CAPACITY_TOKENS = 64
-
-
-class KVStrataLayer(DynamicLayer):
-    """One layer's keys and values, ``(batch, heads, tokens, head_dim)``, in a growable buffer.
-
-    ``self.keys`` / ``self.values`` are views of the first ``length`` tokens of the buffers, as
-    the attention code and :class:`DynamicLayer`'s helpers expect.
-    """
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.target_device = torch.device(device) if device is not None else None
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
-        self.length = 0
-
-    def load_prefix(self, keys: torch.Tensor, values: torch.Tensor, extra_tokens: int = 0) -> None:
-        """Start from ``keys`` / ``values`` of shape ``(batch, heads, n, head_dim)`` (copied)."""
-        device = self.target_device or keys.device
-        n = keys.shape[-2]
-        capacity = max(n + extra_tokens, _MIN_CAPACITY_TOKENS)
-        shape = (*keys.shape[:-2], capacity, keys.shape[-1])
-        self._key_buffer = torch.empty(shape, dtype=keys.dtype, device=device)
-        self._value_buffer = torch.empty(shape, dtype=values.dtype, device=device)
-        self._key_buffer[..., :n, :].copy_(keys)
-        self._value_buffer[..., :n, :].copy_(values)
-        self.device = device
-        self.is_initialized = True
-        self._set_length(n)
-
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """Use ``keys`` / ``values`` of shape ``(batch, heads, capacity, head_dim)`` as the
-        buffers, holding ``length`` tokens already (no copy)."""
-        self._key_buffer = keys
-        self._value_buffer = values
-        self.device = keys.device
-        self.is_initialized = True
-        self._set_length(length)
-
-    def _set_length(self, n: int) -> None:
-        assert self._key_buffer is not None and self._value_buffer is not None
-        self.length = n
-        self.keys = self._key_buffer.narrow(-2, 0, n)
-        self.values = self._value_buffer.narrow(-2, 0, n)
-
-    def _sync_from_views(self) -> None:
-        """Adopt ``self.keys`` / ``self.values`` after a parent helper replaced them."""
-        if self.keys is None or self.values is None:
-            self._key_buffer = self._value_buffer = None
-            self.length = 0
-            return
-        self._key_buffer = self.keys.contiguous()
-        self._value_buffer = self.values.contiguous()
-        self._set_length(self._key_buffer.shape[-2])
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        empty = key_states[..., :0, :]
-        self.load_prefix(empty, value_states[..., :0, :], extra_tokens=key_states.shape[-2])
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized or self._key_buffer is None:
-            self.lazy_initialization(key_states, value_states)
-        assert self._key_buffer is not None and self._value_buffer is not None
-        n_new = key_states.shape[-2]
-        needed = self.length + n_new
-        if needed > self._key_buffer.shape[-2]:
-            self._grow(max(needed, 2 * self._key_buffer.shape[-2]))
-        start = self.length  # narrow, not [..., a:b, :]: a batched step calls this per row and layer
-        self._key_buffer.narrow(-2, start, n_new).copy_(key_states)
-        self._value_buffer.narrow(-2, start, n_new).copy_(value_states)
-        self._set_length(needed)
-        return self.keys, self.values
-
-    def _grow(self, capacity: int) -> None:
-        assert self._key_buffer is not None and self._value_buffer is not None
-        shape = (*self._key_buffer.shape[:-2], capacity, self._key_buffer.shape[-1])
-        keys = self._key_buffer.new_empty(shape)
-        values = self._value_buffer.new_empty(shape)
-        keys[..., : self.length, :].copy_(self.keys)
-        values[..., : self.length, :].copy_(self.values)
-        self._key_buffer, self._value_buffer = keys, values
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def reset(self) -> None:
-        super().reset()
-        self._key_buffer = self._value_buffer = None
-        self.length = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self._set_length(max(0, self.length + tokens_to_remove))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._sync_from_views()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._sync_from_views()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._sync_from_views()
+__all__ = ["KVStrataCache", "KVStrataLayer", "PagedLayer", "cache_for", "commit", "layer_devices"]
 
 
 class KVStrataCache(Cache):
     """A transformers cache for one sequence whose first tokens came from the kvstrata store.
 
     ``prefix_tokens`` is how many tokens it was built with; ``loaded`` the :class:`LoadedKV`
-    they came from (None when built empty).
+    they came from (None when built empty); ``pages``: the blocks it holds encoded (its layers
+    are then :class:`PagedLayer`), None when every token is exact.
     """
 
-    def __init__(self, devices: Sequence[torch.device | str | None]) -> None:
-        super().__init__(layers=[KVStrataLayer(device) for device in devices])
+    def __init__(self, devices: Sequence[torch.device | str | None], pages: PageArena | None = None) -> None:
+        if pages is None:
+            layers: list[KVStrataLayer] = [KVStrataLayer(device) for device in devices]
+        else:
+            if pages.layout.num_layers != len(devices):
+                raise ConfigError(f"pages of {pages.layout.num_layers} layers for a cache of {len(devices)}")
+            scratch = DenseScratch()
+            layers = [PagedLayer(pages, i, scratch, device) for i, device in enumerate(devices)]
+        super().__init__(layers=layers)
         self.prefix_tokens = 0
         self.loaded: LoadedKV | None = None
+        self.pages = pages
 
     @classmethod
     def from_kv(
@@ -156,6 +58,7 @@ class KVStrataCache(Cache):
         devices: Sequence[torch.device | str | None] | None = None,
         model: torch.nn.Module | None = None,
         extra_tokens: int = 0,
+        pages: PageArena | None = None,
     ) -> KVStrataCache:
         """A cache whose layer ``l`` starts with keys ``kv[0, l]`` and values ``kv[1, l]``.
 
@@ -163,6 +66,8 @@ class KVStrataCache(Cache):
         layers). Each layer is placed on ``devices[l]``, else on the device of the model's
         decoder layer ``l`` (``model``), else where ``kv`` lies. ``extra_tokens`` reserves room
         for tokens to come (the prompt remainder and the answer) so that decoding never regrows.
+        ``pages``: blocks of the sequence held encoded; ``kv`` then holds the exact tokens, those
+        of the positions no block of ``pages`` covers, in order.
         """
         if kv is not None and (kv.dim() != 5 or kv.shape[0] != 2):
             raise ConfigError(f"prefix KV must have shape (2, L, H, n, D), got {tuple(kv.shape)}")
@@ -177,14 +82,19 @@ class KVStrataCache(Cache):
             devices = [None] * n_layers
         if len(devices) != n_layers:
             raise ConfigError(f"{len(devices)} layer devices for {n_layers} layers")
-        cache = cls(devices)
+        cache = cls(devices, pages)
+        if pages is not None and kv is None:
+            kv = torch.empty(
+                (2, n_layers, pages.layout.num_kv_heads, 0, pages.layout.head_dim),
+                dtype=pages.layout.torch_dtype,
+            )
         if kv is not None:
             for layer_idx, layer in enumerate(cache.layers):
                 assert isinstance(layer, KVStrataLayer)
                 layer.load_prefix(
                     kv[0, layer_idx].unsqueeze(0), kv[1, layer_idx].unsqueeze(0), extra_tokens=extra_tokens
                 )
-            cache.prefix_tokens = kv.shape[3]
+            cache.prefix_tokens = kv.shape[3] + (pages.tokens if pages is not None else 0)
         return cache
 
     @classmethod
@@ -240,9 +150,41 @@ class KVStrataCache(Cache):
         if any(layer.keys is None or layer.keys.shape[0] != 1 for layer in layers):
             raise ConfigError("new_kv needs an initialized cache with batch size 1")
         target = torch.device(device) if device is not None else layers[0].keys.device  # type: ignore[union-attr]
+        if self.pages is not None:
+            return self._paged_kv(layers, start, end, target)
         keys = [layer.keys[0, :, start:end].to(target) for layer in layers]  # type: ignore[index]
         values = [layer.values[0, :, start:end].to(target) for layer in layers]  # type: ignore[index]
         return torch.stack([torch.stack(keys), torch.stack(values)])
+
+    def slot_positions(self) -> torch.Tensor:
+        """The sequence position of each of the cache's slots, in attention's order (the encoded
+        blocks' tokens first): what a per-slot attention mass is folded back by."""
+        exact = self.layers[0].length if isinstance(self.layers[0], KVStrataLayer) else 0
+        return slot_positions(self.pages, exact)
+
+    def _paged_kv(
+        self, layers: list[KVStrataLayer], start: int, end: int, target: torch.device
+    ) -> torch.Tensor:
+        """``new_kv`` of a cache holding encoded blocks: positions after every block (what a
+        commit asks) are exact tokens, sliced; other positions are dequantized, layer by layer."""
+        assert self.pages is not None
+        covered_end = max((s + t for s, t in self.pages.covered()), default=0)
+        if start >= covered_end:
+            offset = self.pages.tokens
+            keys = [layer.keys[0, :, start - offset : end - offset].to(target) for layer in layers]  # type: ignore[index]
+            values = [layer.values[0, :, start - offset : end - offset].to(target) for layer in layers]  # type: ignore[index]
+            return torch.stack([torch.stack(keys), torch.stack(values)])
+        slots = torch.argsort(self.slot_positions())[start:end]
+        dtype = layers[0].keys.dtype  # type: ignore[union-attr]
+        out = []
+        with torch.inference_mode():  # the scratch is an inference tensor, as the layers' buffers
+            for layer in layers:
+                assert isinstance(layer, PagedLayer)
+                keys, values = layer.dense(torch.float32)
+                out.append(
+                    torch.stack([keys[0, :, slots], values[0, :, slots]]).to(dtype=dtype, device=target)
+                )
+            return torch.stack(out, dim=1)
 
 
 def layer_devices(model: torch.nn.Module) -> list[torch.device]:

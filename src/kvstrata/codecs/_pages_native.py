@@ -1,0 +1,67 @@
+"""The native dequantization of resident pages (``pages_dequant.c``), one layer at a time.
+
+Why: a prefill that continues a session whose blocks are held encoded attends with torch's sdpa,
+which needs the layer's keys and values as tensors; dequantizing them with torch takes several
+operations per block (and one Python call each), this takes one call per layer. Built on first
+use (:mod:`kvstrata.native`); until then, and where it cannot be, :mod:`kvstrata.codecs.arena`
+dequantizes with torch, to the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kvstrata.native import NativeLibrary
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _setup(lib: ctypes.CDLL) -> str | None:
+    lib.kvs_pages_supported.restype = ctypes.c_int
+    lib.kvs_pages_supported.argtypes = []
+    if not lib.kvs_pages_supported():
+        return "this CPU has no AVX-512"
+    lib.kvs_pages_dequant.restype = None
+    lib.kvs_pages_dequant.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64]
+    return None
+
+
+LIBRARY = NativeLibrary(
+    "pages_dequant",
+    Path(__file__).with_name("pages_dequant.c"),
+    ["-O3", "-ffp-contract=off", "-fno-math-errno"],
+    _setup,
+)
+
+
+def dequantize_layer(
+    arena: torch.Tensor, table: torch.Tensor, layer: int, heads: int, out_k: torch.Tensor, out_v: torch.Tensor
+) -> bool:
+    """Dequantize every page of ``table`` (checked against ``arena`` by the caller) at ``layer``
+    into ``out_k`` / ``out_v`` (float32 CPU ``(heads, >= tokens, head_dim)``, head_dim
+    contiguous, the same strides); False when the library is not loaded (yet) or the tensors do
+    not fit it: the caller dequantizes with torch. Starts the library's build on first use."""
+    lib = LIBRARY.loaded()
+    if lib is None:
+        LIBRARY.start()
+        return False
+    if (
+        arena.device.type != "cpu"
+        or out_k.dtype is not torch.float32
+        or out_v.dtype is not torch.float32
+        or out_k.device.type != "cpu"
+        or out_k.stride() != out_v.stride()
+        or out_k.stride(-1) != 1
+        or not table.is_contiguous()
+        or not arena.is_contiguous()
+    ):
+        return False
+    lib.kvs_pages_dequant(
+        arena.data_ptr(), table.data_ptr(), table.shape[0], layer, heads, out_k.shape[-1],
+        out_k.data_ptr(), out_v.data_ptr(), out_k.stride(0), out_k.stride(1),
+    )  # fmt: skip
+    return True

@@ -1,0 +1,136 @@
+/* Resident pages (kvstrata/codecs/pages.py) of one layer dequantized into float32 keys and
+ * values, for attention that needs them as tensors (a prefill continuing a session: one layer at a
+ * time, into a scratch buffer the next layer reuses).
+ *
+ * The arithmetic is the codecs' own, with the same bits as their torch decode: int8s
+ * `code * scale`; KIVI `code * scale + zero`, the product rounded to float32, then the sum (two
+ * intrinsics, never fused). Keys lie channel by channel in a page and are written token by token
+ * with scatters of 16 tokens; values lie token by token.
+ *
+ * table: pages x 4 int64 (codec id, byte offset of the block's pages in `arena`, tokens, group),
+ * each block's pages (layers, heads, page bytes); out_k / out_v: float32, the block's tokens in
+ * table order, element (h, t, d) at h * head_stride + t * token_stride + d. The caller has
+ * checked the table against the arena (kvstrata/codecs/_pages_native.py). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { KIVI4 = 5, KIVI2 = 6, INT8S = 10, LANES = 16 };
+
+int kvs_pages_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+}
+
+static int64_t key_tokens(int64_t codec, int64_t tokens) {
+    int64_t span = codec == INT8S ? LANES : codec == KIVI4 ? 2 * LANES : 4 * LANES;
+    return (tokens + span - 1) / span * span;
+}
+
+int64_t kvs_page_nbytes(int64_t codec, int64_t tokens, int64_t group, int64_t dim) {
+    int64_t padded = key_tokens(codec, tokens), per_token = dim / group;
+    if (codec == INT8S) return (padded + tokens) * dim + (padded + tokens) * per_token * 2;
+    int64_t per_byte = codec == KIVI4 ? 2 : 4;
+    return (padded + tokens) * dim / per_byte + 2 * dim * 2 + 2 * tokens * per_token * 2;
+}
+
+#define TARGET __attribute__((target("avx512f,f16c")))
+
+TARGET static inline __m512 halves16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+TARGET static inline float half_at(const uint8_t *p, int64_t index) {
+    uint16_t h;
+    memcpy(&h, p + 2 * index, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+TARGET static inline __m512 int8s16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+TARGET static inline __mmask16 lanes_below(int64_t n) {
+    return n >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
+/* 16 tokens' values of one channel into column `d` of rows token_stride apart */
+TARGET static inline void scatter16(float *column, int64_t token_stride, __mmask16 valid, __m512 x) {
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)token_stride));
+    _mm512_mask_i32scatter_ps(column, valid, rows, x, 4);
+}
+
+TARGET static void int8s_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, float *ok,
+                              float *ov, int64_t token_stride) {
+    const int64_t tp = key_tokens(INT8S, tokens), per_token = dim / group;
+    const uint8_t *kc = base, *vc = base + tp * dim;
+    const uint8_t *ks = vc + tokens * dim, *vs = ks + tp * per_token * 2;
+    for (int64_t d = 0; d < dim; ++d)
+        for (int64_t t = 0; t < tokens; t += LANES) {
+            __m512 x = _mm512_mul_ps(int8s16(kc + d * tp + t), halves16(ks + 2 * ((d / group) * tp + t)));
+            scatter16(ok + t * token_stride + d, token_stride, lanes_below(tokens - t), x);
+        }
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t d = 0; d < dim; d += LANES) {
+            __m512 s = _mm512_set1_ps(half_at(vs, t * per_token + d / group));
+            _mm512_storeu_ps(ov + t * token_stride + d, _mm512_mul_ps(int8s16(vc + t * dim + d), s));
+        }
+}
+
+TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens, int64_t group, int64_t dim,
+                             float *ok, float *ov, int64_t token_stride) {
+    const int bits = codec == KIVI4 ? 4 : 2, per_byte = 8 / bits, span = LANES * per_byte;
+    const int64_t tp = key_tokens(codec, tokens), row = tp / per_byte, per_token = dim / group;
+    const uint8_t *kc = base, *vc = base + dim * row;
+    const uint8_t *ks = vc + tokens * dim / per_byte, *kz = ks + 2 * dim;
+    const uint8_t *vs = kz + 2 * dim, *vz = vs + tokens * per_token * 2;
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int64_t d = 0; d < dim; ++d) {
+        const __m512 s = _mm512_set1_ps(half_at(ks, d)), z = _mm512_set1_ps(half_at(kz, d));
+        for (int64_t t = 0; t < tokens; t += span) {
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(kc + d * row + t / per_byte)));
+            for (int k = 0; k < per_byte && t + k * LANES < tokens; ++k) {
+                const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(k * bits)), mask);
+                const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z);
+                const int64_t first = t + k * LANES;
+                scatter16(ok + first * token_stride + d, token_stride, lanes_below(tokens - first), x);
+            }
+        }
+    }
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t u = 0; u < dim / span; ++u) {
+            const int64_t vg = u * span / group;
+            const __m512 s = _mm512_set1_ps(half_at(vs, t * per_token + vg));
+            const __m512 z = _mm512_set1_ps(half_at(vz, t * per_token + vg));
+            const __m512i bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vc + t * (dim / per_byte) + u * LANES)));
+            for (int k = 0; k < per_byte; ++k) {
+                const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(k * bits)), mask);
+                const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z);
+                _mm512_storeu_ps(ov + t * token_stride + u * span + k * LANES, x);
+            }
+        }
+}
+
+TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_t pages, int64_t layer,
+                              int64_t heads, int64_t dim, float *out_k, float *out_v, int64_t head_stride,
+                              int64_t token_stride) {
+    int64_t t0 = 0;
+    for (int64_t p = 0; p < pages; ++p) {
+        const int64_t codec = table[4 * p], offset = table[4 * p + 1], tokens = table[4 * p + 2],
+                      group = table[4 * p + 3];
+        const int64_t nbytes = kvs_page_nbytes(codec, tokens, group, dim);
+        for (int64_t h = 0; h < heads; ++h) {
+            const uint8_t *base = arena + offset + (layer * heads + h) * nbytes;
+            float *ok = out_k + h * head_stride + t0 * token_stride;
+            float *ov = out_v + h * head_stride + t0 * token_stride;
+            if (codec == INT8S)
+                int8s_page(base, tokens, group, dim, ok, ov, token_stride);
+            else
+                kivi_page(base, codec, tokens, group, dim, ok, ov, token_stride);
+        }
+        t0 += tokens;
+    }
+}
