@@ -50,7 +50,7 @@ PAGE_CODECS: dict[CodecId, str] = {CodecId.INT8S: "int8s", CodecId.KIVI4: "kivi4
 """The codecs whose blocks device memory holds encoded (each a page layout, read in place)."""
 TABLE_COLUMNS = 4
 """A page table row: codec id, byte offset of the block's pages in the arena, tokens, group."""
-_KIVI_BITS = {CodecId.KIVI4: 4, CodecId.KIVI2: 2}
+_KIVI: dict[CodecId, type[Kivi4Codec | Kivi2Codec]] = {CodecId.KIVI4: Kivi4Codec, CodecId.KIVI2: Kivi2Codec}
 _LANES = 16  # floats in one of the kernel's vectors: a group spans whole vectors
 
 
@@ -88,7 +88,7 @@ def can_page(codec: CodecId | int, head_dim: int, group: int | None = None) -> b
         return False
     if codec not in PAGE_CODECS or head_dim % _LANES:
         return False
-    span = _LANES * 8 // _KIVI_BITS.get(codec, 8)  # channels one vector's codes hold
+    span = _LANES * 8 // (_KIVI[codec].bits if codec in _KIVI else 8)  # channels one vector's codes hold
     group = min(group or 64, head_dim)
     return head_dim % span == 0 and group % span == 0 and head_dim % group == 0
 
@@ -101,9 +101,9 @@ def page_spec(block: EncodedBlock, layout: KVLayout) -> PageSpec | None:
         if not can_page(block.codec, layout.head_dim, group):
             return None
         return PageSpec(CodecId.INT8S, block.num_tokens, group, layout.head_dim)
-    if block.codec not in _KIVI_BITS:
+    if block.codec not in _KIVI:
         return None
-    codec = Kivi4Codec() if block.codec == CodecId.KIVI4 else Kivi2Codec()
+    codec = _KIVI[CodecId(block.codec)]()
     _, sinks, key_group, value_group = codec.record.unpack(block.params)
     if sinks or key_group != block.num_tokens or not can_page(block.codec, layout.head_dim, value_group):
         return None
@@ -159,13 +159,12 @@ def from_pages(pages: np.ndarray | torch.Tensor, spec: PageSpec, layout: KVLayou
     values = _unpack_planar(parts[1].reshape(runs, tokens, -1, 16), bits)
     codes = torch.from_numpy(np.concatenate([keys.reshape(-1), values.reshape(-1)]))
     payload = [pack_codes(codes, bits)] + [np.ascontiguousarray(part).tobytes() for part in parts[2:]]
-    codec = Kivi4Codec if spec.codec is CodecId.KIVI4 else Kivi2Codec
-    params = codec.record.pack(source, 0, spec.tokens, spec.group)
+    params = _KIVI[spec.codec].record.pack(source, 0, spec.tokens, spec.group)
     return EncodedBlock(spec.codec, params, b"".join(payload), spec.tokens)
 
 
 def _bits(spec: PageSpec) -> int:
-    return _KIVI_BITS[spec.codec]
+    return _KIVI[spec.codec].bits
 
 
 def _span(bits: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache
@@ -29,15 +29,25 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from kvstrata.engine.batch import decode_kernel
 from kvstrata.errors import ConfigError, KVStrataError
+from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.paged import PagedLayer
-
-if TYPE_CHECKING:
-    from kvstrata.engine.batch.forward import BatchRow
 
 ATTENTION_NAME = "kvstrata_batched"
 STEP_KWARG = "kvstrata_step"
 _NO_PAGES = torch.empty(0, dtype=torch.uint8)
 _NO_TABLE = torch.empty((0, 4), dtype=torch.long)
+
+
+class AttendingRow(Protocol):
+    """What attention uses of a row (:class:`~kvstrata.engine.batch.forward.BatchRow`)."""
+
+    cache: KVStrataCache
+    attention_mass: torch.Tensor | None
+    """Per slot, the probability mass received so far; None when the row tracks none."""
+
+    def add_attention(self, weights: torch.Tensor) -> None: ...
+
+    def kernel_mass_buffer(self) -> torch.Tensor: ...
 
 
 class StepInterrupted(KVStrataError):
@@ -49,7 +59,7 @@ class StepInterrupted(KVStrataError):
 class Step:
     """What the cache and the attention function of one forward pass share."""
 
-    rows: list[BatchRow]
+    rows: list[AttendingRow]
     sizes: list[int]
     """Each row's new tokens, in packed order: the packed tensors are split by them."""
     base_attention: str
