@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "redis": "redis_gets",
     "server-load": "server_load",
     "batching": "batching",
+    "soak": "soak",
 }
 """``kvstrata bench <name>`` -> its package in this package (the command is in its ``runner``)."""
 

@@ -21,7 +21,7 @@ from kvstrata.cli.common import (
 )
 from kvstrata.cli.progress import stderr_is_terminal
 from kvstrata.cli.stores import check_writable_root, store_for_layout, store_root
-from kvstrata.config import StoreConfig, encryption_key_from_env
+from kvstrata.config import StoreConfig, encryption_key_from_env, parse_size
 from kvstrata.errors import ConfigError, KVStrataError
 
 
@@ -39,6 +39,18 @@ def serve(
             help="JSON or TOML file mapping API keys to tenants and scopes (default: "
             "$KVSTRATA_API_KEYS, 'key1:tenantA,key2:tenantA:read,key3::admin'). Required to listen "
             "beyond loopback.",
+        ),
+    ] = None,
+    l1_budget: Annotated[
+        str | None, typer.Option("--l1-budget", help="Device memory for KV (L1), e.g. 256MiB.")
+    ] = None,
+    l2_budget: Annotated[
+        str | None, typer.Option("--l2-budget", help="Host memory for KV (L2), e.g. 1GiB.")
+    ] = None,
+    l3_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--l3-budget", help="Disk for KV (L3), e.g. 20GiB; past it blocks are evicted (default: none)."
         ),
     ] = None,
     ssl_certfile: Annotated[
@@ -107,10 +119,20 @@ def serve(
         keys = ApiKeys.load(api_keys, os.environ.get(ENV_VAR))
         check_bind(host, keys)
         check_tls(ssl_certfile, ssl_keyfile)
+        budgets = {
+            name: parse_size(value, option)
+            for name, value, option in (
+                ("l1_budget_bytes", l1_budget, "--l1-budget"),
+                ("l2_budget_bytes", l2_budget, "--l2-budget"),
+                ("l3_budget_bytes", l3_budget, "--l3-budget"),
+            )
+            if value is not None
+        }
         config = StoreConfig(
             remote=remote_config(remote, remote_cluster),
             encryption_key=encryption_key_from_env(),
             namespace_quotas=keys.quotas,
+            **budgets,  # type: ignore[arg-type]
         )
         modes = {}
         if background_memory:

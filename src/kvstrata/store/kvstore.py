@@ -340,24 +340,31 @@ class KVStore(BlockAccess, Leasing, SessionIO):
         return self.index.sessions.delete(namespace, session_id)
 
     def fork(self, session: Session, child_id: str) -> Session:
-        """A new session sharing ``session``'s blocks (they are immutable: copy-on-write)."""
+        """A new session sharing ``session``'s blocks (they are immutable: copy-on-write). It ends
+        before the first block no tier holds any more (a bounded L3 evicts): its checkpoint names
+        only blocks that exist, and a turn on it recomputes the rest, as one on ``session`` would."""
         self._writable()
         validate_session_id(child_id)
         if self._find(session.namespace, child_id) is not None:
             raise SessionExistsError(f"session {session.namespace}/{child_id} already exists")
+        keys = list(session.block_keys)
+        held = next((i for i, key in enumerate(keys) if not self.tiered.contains(key)), len(keys))
+        whole = held == len(keys) and (session.tail_key is None or self.tiered.contains(session.tail_key))
+        tokens = list(session.token_ids) if whole else session.token_ids[: held * self.layout.block_tokens]
+        lineage_kept = whole or (session.lineage_from is not None and session.lineage_from < len(tokens))
         child = Session(
             session.namespace,
             child_id,
             session.model_fingerprint,
-            list(session.token_ids),
-            list(session.block_keys),
-            session.tail_key,
+            tokens,
+            keys[:held],
+            session.tail_key if whole else None,
             session.priority,
             False,
             session.ttl_s,
             parent=session.id,
-            lineage=session.lineage,
-            lineage_from=session.lineage_from,
+            lineage=session.lineage if lineage_kept else None,
+            lineage_from=session.lineage_from if lineage_kept else None,
         )
         self._sessions[(child.namespace, child.id)] = child
         self.checkpoint(child)
