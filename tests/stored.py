@@ -132,7 +132,7 @@ def page_cache_reads(monkeypatch: Any, cached: bool = True) -> None:
 def per_block_reads(monkeypatch: Any) -> list[int]:
     """One entry per block the restores from now on read the per-block way (one the segment
     stream could not serve)."""
-    from kvstrata.store import restore
+    from kvstrata.store.restore import restorer as restore
 
     again: list[int] = []
     read_into = restore.Restorer.read_into

@@ -14,6 +14,7 @@ import torch
 from kvstrata import KVStore
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
+from kvstrata.store.placement.tiered import RestoreReport
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.transfer import DeviceCopier
 
@@ -58,10 +59,11 @@ def _per_block(store: KVStore, keys: list[BlockKey]) -> torch.Tensor:
     max_loss = store.config.ladder.max_loss_rank(prio)
     buffer = torch.empty(LAYOUT.block_shape(len(keys) * BT), dtype=LAYOUT.torch_dtype)
     copier = DeviceCopier(buffer.device)
+    report = RestoreReport(tiered.memory, tiered.miss_levels, buffer, prio)
     with tiered.stats.hold(keys):
         for i, key in enumerate(keys):
             room = buffer[:, :, :, i * BT : (i + 1) * BT]
-            assert tiered.restorer.read_into(key, room, copier, prio, max_loss) is not None
+            assert tiered.restorer.read_into(key, i, room, copier, max_loss, report) is not None
     return buffer[:, :, :, : len(TOKENS)]
 
 
@@ -133,7 +135,6 @@ def test_without_promotion_on_read_hits_stay_where_they_were(open_store: Factory
 def test_touch_many_records_what_touch_does_and_the_namespace() -> None:
     """What the batched accounting records per block, namespace included (memory copies other
     than the L3 writer's queued blocks carry none, so the restore test above cannot see it)."""
-    import threading
 
     from kvstrata.priority import Priority
     from kvstrata.store.block_stats import BlockStatsTable
@@ -143,7 +144,7 @@ def test_touch_many_records_what_touch_does_and_the_namespace() -> None:
     blocks = [make_block(LAYOUT, seed) for seed in range(4)]
     blocks[1].namespace = "tenant"
     blocks[2].start_pos = 8
-    batched, single = BlockStatsTable(threading.RLock()), BlockStatsTable(threading.RLock())
+    batched, single = BlockStatsTable(), BlockStatsTable()
     for table in (batched, single):
         table.ensure(blocks[3].key).namespace = "known"
         table.ensure(blocks[0].key).priority = Priority.REALTIME
@@ -171,8 +172,8 @@ def test_a_chain_in_memory_is_copied_by_several_threads_the_same(
 ) -> None:
     """A large restore from memory is shared between the caller and the pool (one thread copies
     at about half the memory's bandwidth): the same bytes, the same accounting."""
-    from kvstrata.store import restore as restore_module
     from kvstrata.store import run_copies
+    from kvstrata.store.restore import copies as restore_module
 
     monkeypatch.setattr(restore_module, "COPY_THREADS", 3)
     monkeypatch.setattr(restore_module, "COPY_PART_BYTES", 1)  # any restore counts as large
@@ -197,7 +198,7 @@ def test_blocks_in_memory_are_copied_as_runs_in_one_native_call(
     native run copy, one run per K/V, layer and head, with or without non-temporal stores; the
     blocks from L3 take their own path. Same bytes and accounting as block by block."""
     from kvstrata.store import _native_crc, run_copies
-    from kvstrata.store import restore as restore_module
+    from kvstrata.store.restore import copies as restore_module
 
     if _native_crc.LIBRARY.load(timeout=120) is None:
         pytest.skip(f"native helpers not available here: {_native_crc.LIBRARY.status()}")

@@ -371,9 +371,10 @@ def test_watermark_demotion_runs_in_the_background_down_to_the_low_mark(open_sto
         l1_budget_bytes=20 * BLOCK, l2_budget_bytes=1 << 20, high_watermark=0.5, low_watermark=0.25
     )
     blocks = [make_block(LAYOUT, seed) for seed in range(12)]  # 12 of 20 slots: above the high mark, not full
-    # The demoter thread waits for the placement lock: it starts its pass only after the last put
-    # (otherwise a put landing after its pass leaves the tier one block above the low mark).
-    with store.tiered.lock:
+    # The demoter thread waits for the placement lock (the memory tiers' own): it starts its pass
+    # only after the last put (otherwise a put landing after its pass leaves the tier one block above
+    # the low mark).
+    with store.tiered.memory._lock:
         for block in blocks:
             store.tiered.put(block)
     store.wait_demotions()

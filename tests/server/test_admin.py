@@ -84,7 +84,7 @@ def test_hibernate_checkpoints_and_leaves_device_memory(server: LiveServer) -> N
         body = http.post("/v1/sessions/h1/hibernate").json()
     assert body["blocks"] == len(session.all_keys()) and body["num_tokens"] == session.num_tokens
     server.store.wait_demotions()
-    assert all(server.store.tiered.durable(k) for k in session.all_keys())
+    assert all(server.store.disk.contains(k) for k in session.all_keys())
     assert all(server.store.where(k) is not TierLevel.L1 for k in session.all_keys())
     again = chat(server.client(), MESSAGES, "h1")
     assert cached(again) == again.usage.prompt_tokens - 1

@@ -79,12 +79,7 @@ class BlockAccess:
     def namespace_usage(self) -> dict[tuple[str, TierLevel], int]:
         """Bytes per (namespace, tier): memory tiers as this process holds them, L3 store-wide."""
         out: dict[tuple[str, TierLevel], int] = {}
-        with self.tiered.lock:
-            for tier in self.tiered.memory_tiers:
-                for key in tier.keys():  # noqa: SIM118 (a Tier method)
-                    stats = self.tiered.stats.get(key)
-                    slot = ((stats.namespace if stats is not None else None) or "", tier.level)
-                    out[slot] = out.get(slot, 0) + tier.block_bytes(key)
+        out.update(self.tiered.memory.namespace_usage())
         for namespace, (_, nbytes) in self.index.blocks.usage_by_namespace().items():
             out[(namespace, TierLevel.L3)] = nbytes
         return out
@@ -105,11 +100,11 @@ class BlockAccess:
 
     def demote_from_l1(self, keys: Iterable[BlockKey]) -> None:
         """Move ``keys`` out of device memory in the background (sessions no longer resident)."""
-        self.tiered.demote_from_l1(keys)
+        self.tiered.demoter.demote_from_l1(keys)
 
     def wait_demotions(self) -> None:
         """Wait until background demotions are done (tests and benchmarks)."""
-        self.tiered.wait_demotions()
+        self.tiered.demoter.wait_idle()
 
     def set_next_use(self, keys: Iterable[BlockKey], seconds: float) -> None:
         """Expected seconds until ``keys`` are used again (a session's request rate, a hint)."""

@@ -3,8 +3,14 @@
 One table per process: access history (LRU/LFU/LRU-K), reference counts of readers (a held block
 is never demoted, so an L1 view handed to a reader stays valid), the most demanding priority
 class seen using the block, the recent-window and protection flags, accumulated attention
-importance and a hinted time to next use. The table shares the placement lock: the placement
-code reads and updates it under that lock together with the tiers.
+importance and a hinted time to next use.
+
+The table owns a lock of its own: every method here takes it, so a block's statistics are made
+once and its reference count and policy signals change atomically. It is the innermost lock: the
+placement (:class:`~kvstrata.store.placement.memory.MemoryTiers`) calls in here while holding its
+own, never the other way round. The fields the placement sets on a block's statistics (its
+namespace, its recent-window flag, when it was last demoted, its size in a tier) are written
+under the placement's lock.
 """
 
 from __future__ import annotations
@@ -21,14 +27,23 @@ from kvstrata.store.block import KVBlock
 
 
 class BlockStatsTable:
-    def __init__(self, lock: threading.RLock) -> None:
-        self.lock = lock
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
         self._stats: dict[BlockKey, BlockStats] = {}
 
     def get(self, key: BlockKey) -> BlockStats | None:
         return self._stats.get(key)
 
     def ensure(self, key: BlockKey, num_tokens: int = 0, when: float | None = None) -> BlockStats:
+        with self._lock:
+            return self._ensure(key, num_tokens, when)
+
+    def ensure_many(self, keys: Iterable[BlockKey], when: float | None = None) -> list[BlockStats]:
+        """:meth:`ensure` of each of ``keys``, under one hold of the lock."""
+        with self._lock:
+            return [self._ensure(key, 0, when) for key in keys]
+
+    def _ensure(self, key: BlockKey, num_tokens: int, when: float | None) -> BlockStats:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic() if when is None else when)
@@ -37,34 +52,39 @@ class BlockStatsTable:
     def touch(
         self, key: BlockKey, num_tokens: int, priority: Priority | None = None, start_pos: int | None = None
     ) -> BlockStats:
-        """Record an access (call with the lock held)."""
-        stats = self.ensure(key, num_tokens)
-        stats.record_access(time.monotonic())
-        if start_pos is not None:
-            stats.start_pos = start_pos
-        if priority is not None:
-            stats.priority = priority if stats.priority is None else higher_priority(stats.priority, priority)
-        return stats
-
-    def touch_many(self, blocks: Iterable[KVBlock], priority: Priority | None = None) -> None:
-        """:meth:`touch` each of ``blocks`` (a chain just read), recording its namespace where
-        none is known yet (call with the lock held). One call for a whole chain: per block this is
-        a few attribute writes, which a call per block would double."""
-        table = self._stats
-        for block in blocks:
-            stats = table.get(block.key)
-            if stats is None:
-                stats = self.ensure(block.key, block.num_tokens)
+        """Record an access."""
+        with self._lock:
+            stats = self._ensure(key, num_tokens, None)
             stats.record_access(time.monotonic())
-            stats.start_pos = block.start_pos
+            if start_pos is not None:
+                stats.start_pos = start_pos
             if priority is not None:
                 stats.priority = (
                     priority if stats.priority is None else higher_priority(stats.priority, priority)
                 )
-            stats.namespace = stats.namespace or block.namespace
+            return stats
+
+    def touch_many(self, blocks: Iterable[KVBlock], priority: Priority | None = None) -> None:
+        """:meth:`touch` each of ``blocks`` (a chain just read), recording its namespace where
+        none is known yet. One call for a whole chain: per block this is a few attribute writes,
+        which a call per block would double."""
+        with self._lock:
+            table = self._stats
+            for block in blocks:
+                stats = table.get(block.key)
+                if stats is None:
+                    stats = self._ensure(block.key, block.num_tokens, None)
+                stats.record_access(time.monotonic())
+                stats.start_pos = block.start_pos
+                if priority is not None:
+                    stats.priority = (
+                        priority if stats.priority is None else higher_priority(stats.priority, priority)
+                    )
+                stats.namespace = stats.namespace or block.namespace
 
     def forget(self, key: BlockKey) -> None:
-        self._stats.pop(key, None)
+        with self._lock:
+            self._stats.pop(key, None)
 
     def in_use(self, key: BlockKey) -> bool:
         stats = self._stats.get(key)
@@ -72,22 +92,23 @@ class BlockStatsTable:
 
     @contextlib.contextmanager
     def hold(self, keys: Iterable[BlockKey]) -> Iterator[None]:
-        """Keep ``keys`` from being demoted while the caller reads them (L1 views stay valid)."""
+        """Keep ``keys`` from being demoted while the caller reads them (L1 views stay valid):
+        take the hold before looking the blocks up."""
         held = list(keys)
-        with self.lock:
+        with self._lock:
             for key in held:
-                self.ensure(key).ref_count += 1
+                self._ensure(key, 0, None).ref_count += 1
         try:
             yield
         finally:
-            with self.lock:
+            with self._lock:
                 for key in held:
                     self._stats[key].ref_count -= 1
 
     # -- policy signals --------------------------------------------------------------------------
     def add_importance(self, scores: Iterable[tuple[BlockKey, float]]) -> None:
         """Accumulate attention mass into blocks' importance (the cost scorer keeps them longer)."""
-        with self.lock:
+        with self._lock:
             for key, score in scores:
                 stats = self._stats.get(key)
                 if stats is not None:
@@ -95,7 +116,7 @@ class BlockStatsTable:
 
     def set_next_use(self, keys: Iterable[BlockKey], seconds: float) -> None:
         """An expected time to the blocks' next use (from a session's request rate, or a hint)."""
-        with self.lock:
+        with self._lock:
             for key in keys:
                 stats = self._stats.get(key)
                 if stats is not None:
@@ -103,7 +124,7 @@ class BlockStatsTable:
 
     def protect(self, keys: Iterable[BlockKey]) -> None:
         """Demote ``keys`` only after every unprotected block (a system prompt, for example)."""
-        with self.lock:
+        with self._lock:
             for key in keys:
                 stats = self._stats.get(key)
                 if stats is not None:

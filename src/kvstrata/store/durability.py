@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from kvstrata.codecs import loss_rank
 from kvstrata.config import StoreConfig
 from kvstrata.errors import TierUnavailableError
 from kvstrata.keys import BlockKey
@@ -94,6 +95,22 @@ class DiskWriter:
 
     def durable(self, key: BlockKey) -> bool:
         return self.disk.contains(key)
+
+    def has_failed(self, key: BlockKey) -> bool:
+        """Whether ``key``'s last write failed (it waits in memory for a retry)."""
+        return key in self.failed
+
+    def loss_rank_of(self, key: BlockKey, *, absent_from_disk: bool = False) -> int | None:
+        """Loss rank of the best copy of ``key`` on its way to L3 or in it (None: neither);
+        ``absent_from_disk``: the caller just asked the index, L3 does not hold it."""
+        ranks = []
+        pending = self.pending(key)
+        if pending is not None and pending.encoded is not None:
+            ranks.append(loss_rank(pending.encoded.codec))
+        on_disk = None if absent_from_disk else self.disk.codec_of(key)
+        if on_disk is not None:
+            ranks.append(loss_rank(on_disk))
+        return min(ranks) if ranks else None
 
     def stored_codecs(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
         """The codec of each of ``keys`` that L3 holds: one index query for all where the tier

@@ -14,7 +14,6 @@ reading and writing a session's KV is :class:`~kvstrata.store.session_io.Session
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,7 +88,7 @@ class KVStore(BlockAccess, Leasing, SessionIO):
             self.layout = self.index.layout
             self.model_fingerprint = model_fingerprint
             check_encryption_key(self.root, self.index, self.config.encryption_key, read_only=read_only)
-            stats = BlockStatsTable(threading.RLock())
+            stats = BlockStatsTable()
             counters = StoreCounters()
             bounded = self.config.l3_budget_bytes is not None or any(
                 q.l3_bytes is not None for q in self.config.namespace_quotas.values()
@@ -334,7 +333,7 @@ class KVStore(BlockAccess, Leasing, SessionIO):
             # its recent blocks would otherwise stay exact (and demoted last) for good: a deleted
             # session never appends again to push them out of its window
             live = {k for s in self._sessions.values() for k in s.block_keys[-window:]}
-            self.tiered.age_out(k for k in session.block_keys[-window:] if k not in live)
+            self.tiered.reencoder.age_out(k for k in session.block_keys[-window:] if k not in live)
         if self.tiered.remote is not None:
             self.tiered.remote.delete_manifest(namespace, session_id)
         return self.index.sessions.delete(namespace, session_id)

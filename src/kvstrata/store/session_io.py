@@ -123,7 +123,7 @@ class SessionIO:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
         # blocks this append pushed out of the recent window go down the ladder, in the background
-        self.tiered.age_out(
+        self.tiered.reencoder.age_out(
             session.block_keys[
                 max(0, old_full - self.config.ladder.recent_blocks) : min(old_full, window_start)
             ]
@@ -260,7 +260,7 @@ class SessionIO:
             buffer = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
         started = time.perf_counter()
         with self.tiered.stats.hold(keys):
-            got, by_tier = self.tiered.restorer.restore(
+            got, by_tier = self.tiered.restore(
                 keys, buffer, want, full=full, priority=prio, max_loss=max_loss
             )
         self.counters.restored(max(by_tier, default=None), time.perf_counter() - started)

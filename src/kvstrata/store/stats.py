@@ -143,7 +143,7 @@ def collect(store: KVStore) -> StoreStats:
 def persist(store: KVStore) -> None:
     """Save totals (and the memory tiers' last figures) into the index at close."""
     stats = collect(store)
-    owns_memory = bool(store.tiered.memory_tiers)
+    owns_memory = bool(store.tiered.memory.tiers)
     previous = {t["tier"]: t for t in _load_snapshot(store).get("tiers", [])}
     tiers = []
     for t in stats.tiers:

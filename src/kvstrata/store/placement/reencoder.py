@@ -2,7 +2,7 @@
 
 A session's most recent full blocks (and its partial tail) are written exact; when newer blocks
 push one out of the window (``age_out``), it is re-encoded with its class's L3 codec in a
-background thread and the L3 file swapped atomically, so the request path never pays for it.
+background thread and the L3 record swapped atomically, so the request path never pays for it.
 """
 
 from __future__ import annotations
@@ -11,52 +11,62 @@ import logging
 import queue
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from kvstrata.codecs import Codec, loss_rank
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
+from kvstrata.layout import KVLayout
 from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
-from kvstrata.store.tiers.base import TierLevel
-
-if TYPE_CHECKING:
-    from kvstrata.store.placement import TieredStore
+from kvstrata.store.counters import StoreCounters
+from kvstrata.store.durability import DiskWriter
+from kvstrata.store.placement.encodings import Encodings
+from kvstrata.store.placement.memory import MemoryTiers
+from kvstrata.store.tiers.base import Tier
+from kvstrata.tiering import TierLevel
 
 log = logging.getLogger(__name__)
 
 
 class ReEncoder:
-    def __init__(self, tiered: TieredStore) -> None:
-        self.tiered = tiered
+    def __init__(
+        self,
+        memory: MemoryTiers,
+        encodings: Encodings,
+        writer: DiskWriter,
+        disk: Tier,
+        layout: KVLayout,
+        counters: StoreCounters,
+    ) -> None:
+        self._memory = memory
+        self._encodings = encodings
+        self._writer = writer
+        self._disk = disk
+        self._layout = layout
+        self._counters = counters
         self._queue: queue.Queue[tuple[BlockKey, Codec, KVBlock | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-reencoder", daemon=True)
         self._thread.start()
 
     def age_out(self, keys: Iterable[BlockKey]) -> None:
         """``keys`` left their session's recent window: re-encode them down the ladder."""
-        tiered = self.tiered
         for key in keys:
-            with tiered.lock:
-                stats = tiered.stats.get(key)
-                if stats is None or not stats.recent:
-                    continue
-                stats.recent = False
-                target = tiered.codec(tiered.target_codec(key, TierLevel.L3))
-                current = tiered.disk.codec_of(key)
-                pending = tiered.disk_writer.pending(key)
-                if pending is not None and pending.encoded is not None:
-                    current = pending.encoded.codec
-                if current is None or loss_rank(current) >= target.loss_rank:
-                    continue
-                source = tiered.device_block(key) or pending
-                if source is not None and source.tensor is not None:
-                    source = KVBlock(key, source.num_tokens, source.start_pos, source.tensor.clone())
+            if not self._memory.leave_window(key):
+                continue
+            target = self._encodings.target(key, TierLevel.L3)
+            current = self._disk.codec_of(key)
+            pending = self._writer.pending(key)
+            if pending is not None and pending.encoded is not None:
+                current = pending.encoded.codec
+            if current is None or loss_rank(current) >= target.loss_rank:
+                continue
+            source = self._memory.copy(key, top_only=True) or pending
+            if source is not None and source.tensor is not None and source is pending:
+                source = KVBlock(key, source.num_tokens, source.start_pos, source.tensor.clone())
             self._queue.put((key, target, source))
 
     def _loop(self) -> None:
         single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
-        tiered = self.tiered
         while True:
             item = self._queue.get()
             if item is None:
@@ -64,11 +74,10 @@ class ReEncoder:
             key, target, source = item
             try:
                 if source is None:
-                    source = tiered.disk.get(key)
+                    source = self._disk.get(key)
                 if source is not None:
-                    tiered.disk_writer.submit(source.reencoded(target, tiered.layout))
-                    with tiered.lock:
-                        tiered.counters.reencoded += 1
+                    self._writer.submit(source.reencoded(target, self._layout))
+                    self._counters.reencoded += 1
             except KVStrataError as exc:  # a corrupt or foreign block: leave it to the read path
                 log.warning("re-encoding block %s skipped: %s", key.hex()[:16], exc)
             finally:
