@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata import ConfigError, KVStore, KVStrataError, SessionNotFoundError
+from kvstrata import ConfigError, KVStore, KVStrataError, SessionNotFoundError, StoreConfig
 from kvstrata.config import GcConfig
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError
 from kvstrata.store import archive
@@ -162,10 +162,11 @@ def test_encrypted_documents_are_sealed_and_bound_to_their_session(
     with pytest.raises(CorruptBlockError, match="authentication"):
         store.documents.get("b", "chat")
     store.close()
-    reader = KVStore(tmp_path / "store", read_only=True)  # no key
+    with pytest.raises(EncryptionKeyError):  # no key: not even read
+        KVStore(tmp_path / "store", read_only=True)
+    reader = KVStore(tmp_path / "store", read_only=True, config=StoreConfig(encryption_key=KEY))
     try:
-        with pytest.raises(EncryptionKeyError):
-            reader.documents.get("a", "chat")
+        assert reader.documents.get("c", "chat") == b"my bank password is zebra-horse-42"
         with pytest.raises(KVStrataError):
             reader.documents.put("a", "chat", b"x")
     finally:

@@ -106,7 +106,6 @@ KNOWN_KVSTORE_OFFENCES: list[tuple[str, str]] = [
 KNOWN_CHAINS: list[tuple[str, int, str]] = [
     ("store/archive.py", 1, "refactor"),
     ("store/block_access.py", 11, "refactor"),
-    ("store/index/db.py", 5, "integrity"),
     ("store/kvstore.py", 10, "refactor"),
     ("store/leasing.py", 3, "refactor"),
     ("store/lifecycle.py", 9, "refactor"),
@@ -123,7 +122,6 @@ KNOWN_PROBES: list[tuple[str, int, str]] = [
 KNOWN_BACK_POINTERS: list[tuple[str, int, str]] = [
     ("store/archive.py", 3, "refactor"),
     ("store/block_access.py", 1, "refactor"),
-    ("store/index/db.py", 1, "integrity"),
     ("store/kvstore.py", 2, "refactor"),
     ("store/lifecycle.py", 8, "refactor"),
     ("store/session_io.py", 1, "refactor"),

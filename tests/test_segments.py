@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from kvstrata import GcConfig, KVStore
 from kvstrata.cli.main import app
 from kvstrata.store.index.block_rows import BlockTable
+from kvstrata.store.index.db import INDEX_FORMAT_VERSION
 from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
@@ -255,7 +256,7 @@ def test_a_format_2_store_is_read_as_it_is_and_migrated(open_store: Factory, tmp
     with KVStore(root, read_only=True) as old:  # read as it is, nothing changed
         assert torch.equal(old.load(old.session("s")).kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
     migrated = _disk_only(open_store, root)
-    assert migrated.index.get_meta("format_version") == "3"
+    assert migrated.index.get_meta("format_version") == str(INDEX_FORMAT_VERSION)
     assert _whole(migrated, "s", tokens)
     _fill(migrated, "new", 5_000, 4)
     assert record_file(migrated, migrated.session("new").block_keys[0]).suffix == ".kvseg"  # type: ignore[union-attr]

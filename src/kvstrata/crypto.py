@@ -1,4 +1,5 @@
-"""Encryption at rest: AES-256-GCM per namespace (tenant), for L3 files and remote values.
+"""Encryption at rest: AES-256-GCM per namespace (tenant), for L3 files and remote values, the
+session rows' token ids and the session documents; and per purpose, for archives and the audit log.
 
 One master key (32 bytes) is given to the store; each namespace's key is derived from it with
 HKDF-SHA256 (info = the namespace), so tenants never share a key and no key list needs storing.
@@ -66,6 +67,37 @@ class Keyring:
         mac = hmac.HMAC(derived, hashes.SHA256())
         mac.update(b"kvstrata encryption key check value")
         return mac.finalize()[:16].hex()
+
+    def purpose_cipher(self, purpose: str) -> AESGCM:
+        """A key of its own for one use that belongs to no namespace (archives, the audit log),
+        derived under another label than namespace keys, so it never equals a tenant's."""
+        label = f"\x00purpose:{purpose}"
+        cipher = self._ciphers.get(label)
+        if cipher is None:
+            derived = HKDF(
+                algorithm=hashes.SHA256(),
+                length=KEY_BYTES,
+                salt=b"kvstrata-purpose-v1",
+                info=purpose.encode(),
+            ).derive(self.master_key)
+            cipher = self._ciphers[label] = AESGCM(derived)
+        return cipher
+
+    def seal_bytes(self, purpose: str, aad: bytes, plaintext: bytes) -> bytes:
+        """``plaintext`` sealed under the key of ``purpose``: nonce then ciphertext and tag."""
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self.purpose_cipher(purpose).encrypt(nonce, plaintext, aad)
+
+    def open_bytes(self, purpose: str, aad: bytes, sealed: bytes, what: str) -> bytes:
+        """What :meth:`seal_bytes` sealed; ``CorruptBlockError`` naming ``what`` if it does not open."""
+        try:
+            if len(sealed) < NONCE_BYTES:
+                raise InvalidTag
+            return self.purpose_cipher(purpose).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
+        except InvalidTag as exc:
+            raise CorruptBlockError(
+                f"{what} failed authentication (damaged, or sealed with another key)"
+            ) from exc
 
     def seal(self, namespace: str, aad: bytes, plaintext: bytes) -> tuple[bytes, bytes]:
         nonce = os.urandom(NONCE_BYTES)

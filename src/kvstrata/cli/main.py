@@ -3,20 +3,38 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from kvstrata.cli.agent_demo_cmd import demo
 from kvstrata.cli.bench_cmd import bench_app
 from kvstrata.cli.chat_cmd import chat
+from kvstrata.cli.common import fail
 from kvstrata.cli.demo_cmd import store_demo
 from kvstrata.cli.eval_cmd import eval_app
 from kvstrata.cli.serve_cmd import serve
 from kvstrata.cli.sessions_cmds import sessions_app
 from kvstrata.cli.store_cmds import gc, inspect, store_app
+from kvstrata.errors import KVStrataError
+
+
+class _Commands(TyperGroup):
+    """Every command's kvstrata error (a damaged index, a missing key, a busy store) ends as one
+    line on stderr and exit status 1, whichever command met it and wherever."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KVStrataError as exc:
+            fail(str(exc))
+
 
 app = typer.Typer(
     name="kvstrata",
+    cls=_Commands,
     help="Tiered, crash-safe KV-cache memory for long-running LLM agents.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,

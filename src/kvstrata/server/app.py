@@ -47,7 +47,7 @@ def create_app(
     ctx = ServerContext(
         engine,
         config,
-        AuditLog(config.audit_path) if config.audit_path is not None else None,
+        AuditLog(config.audit_path, key=engine.store.config.encryption_key) if config.audit_path else None,
         ServerMetrics(engine),
     )
 

@@ -15,6 +15,11 @@ record's own CRC, layout and key, that the keys are the content-hash chain of th
 tokens, and that the model and layout are this store's. Blocks are then re-keyed for the target
 namespace (keys include it), written durably to L3, and only then is the session committed,
 with its documents (:mod:`kvstrata.store.documents`). Format 1 archives (no documents) are read.
+
+An encrypted store exports sealed archives: ``SEALED_MAGIC``, version (u16), then the whole
+archive above sealed with AES-256-GCM under the archive key derived from the store's master key
+(:meth:`kvstrata.crypto.Keyring.seal_bytes`): its tokens, KV and documents never leave the store
+in the clear. Importing one needs a store opened with the same key.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from dataclasses import dataclass
 import crc32c
 
 from kvstrata.codecs.base import EncodedBlock
+from kvstrata.crypto import Keyring
 from kvstrata.errors import (
     CorruptBlockError,
+    EncryptionKeyError,
     LayoutMismatchError,
     SessionExistsError,
     SessionNotFoundError,
@@ -42,6 +49,9 @@ from kvstrata.store.kvbin import decode_record, encode_record
 from kvstrata.store.sessions import Session, validate_session_id
 
 MAGIC = b"\x89KVSARC\n"
+SEALED_MAGIC = b"\x89KVSARE\n"
+SEALED_VERSION = 1
+_PURPOSE = "archive"
 FORMAT_VERSION = 2
 _READS = (1, 2)
 _U8 = struct.Struct("<B")
@@ -92,7 +102,29 @@ def export_session(store: KVStore, session: Session) -> bytes:
     for record in records:
         parts += [_U32.pack(len(record)), record]
     body = b"".join(parts)
-    return body + _U32.pack(crc32c.crc32c(body))
+    archive = body + _U32.pack(crc32c.crc32c(body))
+    key = store.config.encryption_key
+    if key is None:
+        return archive
+    head = SEALED_MAGIC + _U16.pack(SEALED_VERSION)
+    return head + Keyring(key).seal_bytes(_PURPOSE, head, archive)
+
+
+def unseal(data: bytes, key: bytes | None) -> bytes:
+    """The archive inside a sealed one (``data`` itself if it is not sealed)."""
+    if data[: len(SEALED_MAGIC)] != SEALED_MAGIC:
+        return data
+    head = data[: len(SEALED_MAGIC) + _U16.size]
+    if len(head) < len(SEALED_MAGIC) + _U16.size:
+        raise CorruptBlockError("sealed archive truncated")
+    (version,) = _U16.unpack(head[len(SEALED_MAGIC) :])
+    if version != SEALED_VERSION:
+        raise CorruptBlockError(f"unsupported sealed archive version {version}")
+    if key is None:
+        raise EncryptionKeyError(
+            "the archive is encrypted: import it into a store opened with the key of the store it came from"
+        )
+    return Keyring(key).open_bytes(_PURPOSE, head, data[len(head) :], "the sealed archive")
 
 
 class _Reader:
@@ -203,7 +235,7 @@ def import_session(
     """Recreate the archived session in ``namespace`` (default: the archive's) as ``new_id``
     (default: the archived id). Raises ``CorruptBlockError`` on any damage (nothing written),
     ``LayoutMismatchError`` for another model or layout, ``SessionExistsError`` if the id is taken."""
-    archive = read_archive(data)
+    archive = read_archive(unseal(data, store.config.encryption_key))
     header, archived, blocks = archive.header, archive.session, archive.blocks
     if header.layout_fingerprint != store.layout.fingerprint:
         raise LayoutMismatchError("the archive was written for another KV layout than this store's")

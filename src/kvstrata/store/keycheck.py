@@ -2,7 +2,8 @@
 
 An encrypted store records a check value of its master key (never the key: see
 :meth:`kvstrata.crypto.Keyring.check_value`) in its index. A process that opens it with another
-key is refused with one line, and one that opens it for writing with no key at all likewise: a
+key is refused with one line, and one that opens it with no key at all likewise (listing its
+sessions, or its statistics, needs the key as reading them does): a
 misconfigured replica must not find out block by block (every read failing authentication) or,
 worse, write blocks in the clear beside sealed ones. A store encrypted before check values were
 recorded gets one on its first open with a key that opens one of its sealed blocks.
@@ -21,16 +22,17 @@ from kvstrata.store.tiers.disk.fileio import read_range
 from kvstrata.store.tiers.disk.files import block_path, segment_path
 
 KEY_CHECK_META = "encryption_key_check"
+SESSIONS_SEALED_META = "session_rows_sealed"
 _SAMPLE_BLOCKS = 64
 
 
 def check_encryption_key(root: Path, index: Index, key: bytes | None, *, read_only: bool) -> None:
     stored = index.get_meta(KEY_CHECK_META)
     if key is None:
-        if stored is not None and not read_only:
+        if stored is not None:  # reading too: its sessions, their ids and sizes are its business
             raise EncryptionKeyError(
                 f"store {root} is encrypted at rest: give its key (KVSTRATA_ENCRYPTION_KEY, or "
-                "StoreConfig.encryption_key) to open it for writing"
+                "StoreConfig.encryption_key) to open it"
             )
         return
     keyring = Keyring(key)
@@ -41,6 +43,8 @@ def check_encryption_key(root: Path, index: Index, key: bytes | None, *, read_on
                 f"wrong encryption key for store {root}: it was written with another key; nothing was "
                 "read or changed (set the right KVSTRATA_ENCRYPTION_KEY)"
             )
+        if not read_only:
+            _seal_session_rows(index)
         return
     if read_only:
         return
@@ -57,6 +61,15 @@ def check_encryption_key(root: Path, index: Index, key: bytes | None, *, read_on
             f"wrong encryption key for store {root}: another process opened it with another key "
             "first; nothing was read or changed (set the right KVSTRATA_ENCRYPTION_KEY)"
         )
+    _seal_session_rows(index)
+
+
+def _seal_session_rows(index: Index) -> None:
+    """Seal the token ids of session rows written before the store had a key (once: the mark
+    says it was done; every writer since has had the key, so every row since is sealed)."""
+    if index.get_meta(SESSIONS_SEALED_META) != "1":
+        index.sessions.seal_all()
+        index.set_meta(SESSIONS_SEALED_META, "1")
 
 
 def _opens_a_sealed_block(root: Path, index: Index, keyring: Keyring) -> bool:

@@ -84,7 +84,9 @@ class KVStore(BlockAccess, Leasing, SessionIO):
         self.index: Index | None = None
         try:
             self.config = config or StoreConfig()
-            self.index = Index(self.root / "index.sqlite", layout, read_only=read_only)
+            key = self.config.encryption_key
+            keyring = Keyring(key) if key is not None else None
+            self.index = Index(self.root / "index.sqlite", layout, read_only=read_only, keyring=keyring)
             self.layout = self.index.layout
             self.model_fingerprint = model_fingerprint
             check_encryption_key(self.root, self.index, self.config.encryption_key, read_only=read_only)
@@ -128,7 +130,6 @@ class KVStore(BlockAccess, Leasing, SessionIO):
                 stats=stats,
                 counters=counters,
             )
-            keyring = Keyring(self.config.encryption_key) if self.config.encryption_key is not None else None
             self.documents = SessionDocuments(
                 self.index.documents,
                 keyring,
@@ -167,13 +168,23 @@ class KVStore(BlockAccess, Leasing, SessionIO):
 
         if self.index.closed:
             return
-        self.tiered.close()
-        if self.processes is not None:
-            stats.persist(self)
-            self.index.leases.release_all(self.processes.token)
-        self.index.close()
-        if self.processes is not None:
-            self.processes.close()
+        # Everything is released even when a step fails (the first error is raised after): the
+        # figures and leases written here are best effort, since a dead owner's leases are taken
+        # over anyway and a full disk must not turn a reader's clean exit into an error.
+        try:
+            self.tiered.close()
+            if self.processes is not None:
+                try:
+                    stats.persist(self)
+                    self.index.leases.release_all(self.processes.token)
+                except KVStrataError as exc:
+                    log.warning("store %s: closing without saving its figures and leases: %s", self.root, exc)
+        finally:
+            try:
+                self.index.close()
+            finally:
+                if self.processes is not None:
+                    self.processes.close()
 
     def stats(self) -> StoreStats:
         from kvstrata.store import stats

@@ -127,12 +127,8 @@ def _delete_unreferenced(store: KVStore, older_than: float) -> dict[BlockKey, Pl
     live = {key for session in store.live_sessions() for key in session.all_keys()}
 
     def referenced(db: sqlite3.Connection) -> set[bytes]:
-        keys = set(live)  # appended in this process since their last checkpoint
-        for block_keys, tail_key in db.execute("SELECT block_keys, tail_key FROM sessions"):
-            keys.update(block_keys[i : i + KEY_BYTES] for i in range(0, len(block_keys), KEY_BYTES))
-            if tail_key is not None:
-                keys.add(tail_key)
-        return keys
+        # a damaged session row raises here: nothing is deleted on the word of a damaged index
+        return set(live) | store.index.sessions.referenced_keys(db)  # live: since their checkpoint
 
     return store.index.blocks.delete_unreferenced(referenced, older_than)
 

@@ -8,6 +8,7 @@ totals over the store's life. L1/L2 are volatile; their last figures are saved w
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -21,6 +22,11 @@ if TYPE_CHECKING:
 _SNAPSHOT = "stats_snapshot"
 _COUNTED = ("hits", "misses", "promotions", "demotions", "rejected", "evictions")
 """Per-tier counters: each process adds its own to the totals when it closes the store."""
+_NUMBERS = (
+    *_COUNTED, "blocks", "used_bytes", "stored_bytes", "budget_bytes", "fragmentation_bytes", "logical_bytes",
+    "corrupt_blocks", "lost_blocks", "dropped_dirty", "write_failures",
+)  # fmt: skip
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -102,8 +108,38 @@ def live_tier_stats(store: KVStore) -> list[TierStats]:
 
 
 def _load_snapshot(store: KVStore) -> dict:  # type: ignore[type-arg]
+    """The saved figures; none (with a warning) when the record is damaged: they are figures,
+    and a damaged record must not make a store unusable."""
     text = store.index.get_meta(_SNAPSHOT)
-    return json.loads(text) if text else {}
+    if not text:
+        return {}
+    try:
+        snapshot = json.loads(text)
+    except ValueError:
+        snapshot = None
+    if not _well_formed(snapshot):
+        log.warning("store %s: its saved statistics are damaged; counting from zero", store.root)
+        return {}
+    return snapshot  # type: ignore[no-any-return]
+
+
+def _well_formed(snapshot: object) -> bool:
+    def numbers(d: object) -> bool:  # counters are numbers; other figures may be None (no budget)
+        if not isinstance(d, dict):
+            return False
+        return all(
+            isinstance(v, int | float) or (v is None and k not in _COUNTED)
+            for k, v in d.items()
+            if k in _NUMBERS
+        )
+
+    def tier(t: object) -> bool:
+        return numbers(t) and isinstance(t.get("tier"), str) and isinstance(t.get("bytes_by_codec", {}), dict)  # type: ignore[attr-defined]
+
+    if not isinstance(snapshot, dict):
+        return False
+    tiers, totals = snapshot.get("tiers", []), snapshot.get("totals", {})
+    return isinstance(tiers, list) and all(tier(t) for t in tiers) and numbers(totals)
 
 
 def collect(store: KVStore) -> StoreStats:

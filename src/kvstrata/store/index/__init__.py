@@ -7,30 +7,44 @@ and gives the tables: ``index.blocks`` (:mod:`.block_rows`), ``index.sessions``
 open uses the same file; SQLite (WAL, short write transactions, a busy timeout) serializes them.
 
 Format history: 1, the first; 2 adds a namespace per block row, per-namespace usage totals and
-session leases; 3 adds segment files (a row names its segment and the record's offset in it). A
+session leases; 3 adds segment files (a row names its segment and the record's offset in it);
+4 checksums every session row (``row_crc``) and seals its token ids in an encrypted store. A
 store of an older format is migrated in one transaction when a writer opens it; its block files
 stay readable where they are. An older build refuses a newer format (it would not find the
-blocks in segments).
+blocks in segments, nor open sealed token ids).
 """
 
 from __future__ import annotations
 
+import logging
+import sqlite3
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-from kvstrata.errors import StoreFormatError
+from kvstrata.crypto import Keyring
+from kvstrata.errors import KVStrataError, StoreFormatError
 from kvstrata.layout import KVLayout
 from kvstrata.store.index import block_rows, documents, leases, session_rows
 from kvstrata.store.index.block_rows import BlockRow, BlockTable
-from kvstrata.store.index.db import INDEX_FORMAT_VERSION, META_SCHEMA, IndexDB
+from kvstrata.store.index.db import INDEX_FORMAT_VERSION, META_SCHEMA, ROW_CRC_FORMAT, IndexDB
 from kvstrata.store.index.documents import DocumentTable
 from kvstrata.store.index.leases import LeaseTable
-from kvstrata.store.index.session_rows import SessionRow, SessionTable
+from kvstrata.store.index.session_codec import SessionRowCodec
+from kvstrata.store.index.session_rows import SessionRow
+from kvstrata.store.index.session_table import SessionTable
 
 __all__ = ["BlockRow", "Index", "SessionRow"]
 
+log = logging.getLogger(__name__)
+
 
 class Index:
-    def __init__(self, path: Path, layout: KVLayout | None, *, read_only: bool = False) -> None:
+    def __init__(
+        self, path: Path, layout: KVLayout | None, *, read_only: bool = False, keyring: Keyring | None = None
+    ) -> None:
+        """``keyring``: the store's key, which seals the session rows' token ids (see
+        :mod:`.session_codec`); rows stored in the clear are sealed by ``sessions.seal_all`` once
+        the key has been checked (:mod:`kvstrata.store.keycheck`)."""
         self.db = IndexDB(path, read_only=read_only)
         try:
             if not read_only:
@@ -41,11 +55,14 @@ class Index:
                 raise StoreFormatError(f"{path} holds no kvstrata index")
             self.layout, version = self.db.check_layout(layout)
             self.blocks = BlockTable(self.db)
-            self.sessions = SessionTable(self.db)
+            codec = SessionRowCodec(self.layout, keyring)
+            self.sessions = SessionTable(self.db, codec, crc_required=version >= ROW_CRC_FORMAT)
             self.leases = LeaseTable(self.db)
             self.documents = DocumentTable(self.db)
             if not read_only:
-                self.sessions.migrate()
+                stale = self.db.columns("sessions") != set(session_rows.TABLE.names)
+                if version < INDEX_FORMAT_VERSION or stale:
+                    self.sessions.migrate()
                 if version < INDEX_FORMAT_VERSION:
                     self.blocks.migrate()
                     self.db.set_meta("format_version", str(INDEX_FORMAT_VERSION))
@@ -73,12 +90,18 @@ class Index:
     def set_meta(self, name: str, value: str) -> None:
         self.db.set_meta(name, value)
 
-    def transaction(self) -> IndexDB._Tx:
+    def transaction(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.transaction()
 
     def close(self) -> None:
+        """Close the file; pending access times are saved if the disk lets (they only guide
+        eviction), and the file is closed even when that, or anything else, fails."""
         if self.closed:
             return
-        if not self.read_only:
-            self.blocks.flush_access()
-        self.db.close()
+        try:
+            if not self.read_only:
+                self.blocks.flush_access()
+        except KVStrataError as exc:
+            log.warning("%s: access times not saved at close: %s", self.path, exc)
+        finally:
+            self.db.close()

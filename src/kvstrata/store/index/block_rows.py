@@ -14,13 +14,16 @@ in a crash costs only eviction precision.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.errors import CorruptBlockError, KVStrataError
 from kvstrata.keys import BlockKey
+from kvstrata.store.index.block_values import CODECS, BlockRow, Placement, block_row
+from kvstrata.store.index.block_values import placement as checked_placement
 
 if TYPE_CHECKING:
     from kvstrata.store.index.db import IndexDB
@@ -46,44 +49,10 @@ CREATE TABLE IF NOT EXISTS block_usage (
     bytes INTEGER NOT NULL
 ) WITHOUT ROWID;
 """
+log = logging.getLogger(__name__)
 _ACCESS_FLUSH_S = 60.0
 UNKNOWN_NAMESPACE = ""
 """Where blocks written before namespaces were recorded are counted."""
-
-
-@dataclass(slots=True)
-class BlockRow:
-    key: BlockKey
-    cold: bool
-    num_tokens: int
-    start_pos: int
-    codec: int
-    nbytes: int
-    created: float
-    last_access: float
-    access_count: int
-    namespace: str | None = None
-    file_id: str = ""
-    """The segment holding the record (``offset`` set), or this write's own block file
-    (``<key>.<file_id>.kvbin``, ``offset`` None; '' for files written before format 2)."""
-    offset: int | None = None
-    """Where the record starts in its segment; None for a block file of its own."""
-
-
-class Placement(NamedTuple):
-    """What the disk tier needs to find and account a block (its cache of the index)."""
-
-    cold: bool
-    nbytes: int
-    codec: int
-    num_tokens: int
-    file_id: str
-    offset: int | None = None
-    """The record's offset in segment ``file_id``; None: a block file of its own."""
-
-    @property
-    def in_segment(self) -> bool:
-        return self.offset is not None
 
 
 _COLUMNS = (
@@ -97,16 +66,15 @@ _ADDED = {"namespace": "NULL", "file_id": "''", "seg_offset": "NULL"}
 FILE_INDEX = "CREATE INDEX IF NOT EXISTS blocks_by_file ON blocks(file_id)"
 
 
-def _placement(row: Sequence[Any]) -> Placement:
-    cold, nbytes, codec, num_tokens, file_id, offset = row
-    return Placement(
-        bool(cold),
-        int(nbytes),
-        int(codec),
-        int(num_tokens),
-        str(file_id),
-        None if offset is None else int(offset),
-    )
+def _replaced(old: Sequence[Any] | None) -> Placement | None:
+    """The placement of a row being replaced or deleted ((namespace, *placement)); None for a
+    damaged one, whose file is then left to gc's sweep of files the index does not name."""
+    if old is None:
+        return None
+    try:
+        return checked_placement(old[1:])
+    except CorruptBlockError:
+        return None
 
 
 def _account(db: sqlite3.Connection, namespace: str | None, blocks: int, nbytes: int) -> None:
@@ -209,10 +177,11 @@ class BlockTable:
             current = _select_many(db, [row.key for row in rows])  # key -> (namespace, *placement)
             for row in rows:
                 old = current.get(row.key)
-                if old is not None:
-                    count(old[0], -1, -old[2])
+                old_placement = _replaced(old)
+                if old_placement is not None:
+                    count(old[0], -1, -old_placement.nbytes)  # type: ignore[index]
                 count(row.namespace, 1, row.nbytes)
-                replaced.append(_placement(old[1:]) if old is not None else None)
+                replaced.append(old_placement)
                 current[row.key] = (row.namespace, row.cold, row.nbytes, row.codec, row.num_tokens,
                                     row.file_id, row.offset)  # fmt: skip
             db.executemany(_INSERT, [_values(row) for row in rows])
@@ -230,8 +199,10 @@ class BlockTable:
                 if old is None or (file_id is not None and old[5] != file_id):
                     continue
                 db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-                _account(db, old[0], -1, -old[2])
-                removed[key] = _placement(old[1:])
+                old_placement = _replaced(old)
+                if old_placement is not None:
+                    _account(db, old[0], -1, -old_placement.nbytes)
+                    removed[key] = old_placement
         return removed
 
     def delete_unreferenced(
@@ -247,10 +218,14 @@ class BlockTable:
                 (older_than, older_than),
             ).fetchall()
             doomed = {BlockKey(row[0]): row for row in rows if row[0] not in keep}
+            removed: dict[BlockKey, Placement] = {}
             for key, row in doomed.items():
                 db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-                _account(db, row[1], -1, -row[3])
-        return {key: _placement(row[2:]) for key, row in doomed.items()}
+                old_placement = _replaced(row[1:])
+                if old_placement is not None:
+                    _account(db, row[1], -1, -old_placement.nbytes)
+                    removed[key] = old_placement
+        return removed
 
     def set_cold(self, key: BlockKey, cold: bool, file_id: str, *, new_file_id: str | None = None) -> bool:
         """Record the move of the file ``file_id`` (False: the row names another file by now);
@@ -316,12 +291,12 @@ class BlockTable:
     # -- reads -----------------------------------------------------------------------------------
     def placement(self, key: BlockKey) -> Placement | None:
         row = self.db.query_one(f"SELECT {self._sql(_PLACEMENT)} FROM blocks WHERE key = ?", (key,))
-        return _placement(row) if row else None
+        return checked_placement(row) if row else None
 
     def placements(self) -> dict[BlockKey, Placement]:
         """The placement of every block, in one query."""
         rows = self.db.query(f"SELECT key, {self._sql(_PLACEMENT)} FROM blocks")
-        return {BlockKey(row[0]): _placement(row[1:]) for row in rows}
+        return {BlockKey(row[0]): checked_placement(row[1:]) for row in rows}
 
     def placements_of(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Placement]:
         """The placement of each of ``keys`` that has a row (in chunks, within SQLite's parameter
@@ -333,7 +308,7 @@ class BlockTable:
             chunk = keys[i : i + 500]
             marks = ", ".join("?" * len(chunk))
             rows = self.db.query(f"SELECT key, {columns} FROM blocks WHERE key IN ({marks})", chunk)
-            found.update((BlockKey(row[0]), _placement(row[1:])) for row in rows)
+            found.update((BlockKey(row[0]), checked_placement(row[1:])) for row in rows)
         return found
 
     def present(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
@@ -351,7 +326,7 @@ class BlockTable:
 
     def __iter__(self) -> Iterator[BlockRow]:
         for row in self.db.query(f"SELECT {self._sql(_COLUMNS)} FROM blocks"):
-            yield BlockRow(BlockKey(row[0]), bool(row[1]), *row[2:])
+            yield block_row(row)
 
     def usage(self) -> tuple[int, int]:
         """(blocks, bytes) in L3, store-wide."""
@@ -370,6 +345,8 @@ class BlockTable:
 
     def bytes_by_codec(self) -> dict[int, int]:
         rows = self.db.query("SELECT codec, total(nbytes) FROM blocks GROUP BY codec")
+        if any(c not in CODECS for c, _ in rows):
+            raise CorruptBlockError("a block row of the index names an unknown codec")
         return {int(c): int(n) for c, n in rows}
 
     def logical_tokens(self) -> int:
@@ -387,11 +364,20 @@ class BlockTable:
             self.flush_access()
 
     def flush_access(self) -> None:
+        """Write the pending access times. Best effort: they only guide eviction and gc, so a
+        write that fails (a full disk, a busy index) is logged and tried again later, and never
+        fails the read or the close that asked for it."""
         if not self._pending_access or self.db.read_only:
             return
         pending, self._pending_access = self._pending_access, {}
-        with self.db.transaction() as db:
-            db.executemany(
-                "UPDATE blocks SET last_access = ?, access_count = access_count + ? WHERE key = ?",
-                [(when, count, key) for key, (when, count) in pending.items()],
-            )
+        try:
+            with self.db.transaction() as db:
+                db.executemany(
+                    "UPDATE blocks SET last_access = ?, access_count = access_count + ? WHERE key = ?",
+                    [(when, count, key) for key, (when, count) in pending.items()],
+                )
+        except KVStrataError as exc:
+            log.warning("%s: access times not saved (kept for the next try): %s", self.db.path, exc)
+            for key, (when, count) in pending.items():
+                newer, more = self._pending_access.get(key, (when, 0))
+                self._pending_access[key] = (max(when, newer), count + more)

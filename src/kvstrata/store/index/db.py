@@ -9,17 +9,26 @@ create, a newer format or another layout is refused with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstrata.errors import LayoutMismatchError, StoreFormatError
+from kvstrata.errors import (
+    KVStrataError,
+    LayoutMismatchError,
+    StoreBusyError,
+    StoreFormatError,
+    TierUnavailableError,
+)
 from kvstrata.layout import KVLayout
 
-INDEX_FORMAT_VERSION = 3
+INDEX_FORMAT_VERSION = 4
+ROW_CRC_FORMAT = 4
+"""From this format on, every session row carries its checksum."""
 APPLICATION_ID = 0x4B565354  # "KVST": marks the SQLite file as ours
 _OPEN_TIMEOUT_S = 30.0
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
@@ -31,6 +40,7 @@ class IndexDB:
         self.read_only = read_only
         self.closed = False
         self.lock = threading.RLock()
+        self._db: sqlite3.Connection | None = None
         try:
             if read_only:
                 self._db = sqlite3.connect(
@@ -44,7 +54,34 @@ class IndexDB:
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
                 self._prepare(_OPEN_TIMEOUT_S)
         except sqlite3.DatabaseError as exc:
+            self._abandon()
+            if _busy(exc):
+                raise StoreBusyError(f"{path}: the index stayed locked by another process ({exc})") from exc
             raise StoreFormatError(f"{path}: not a readable kvstrata index ({exc})") from exc
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Close the connection of an open that failed (its file handle is not leaked)."""
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+        self.closed = True
+
+    def translate(self, exc: sqlite3.Error) -> KVStrataError:
+        """The kvstrata error for an SQLite error met while using the index: a lock held too long
+        is a busy store, a full or failing disk an unavailable tier, anything else damage."""
+        if _busy(exc):
+            return StoreBusyError(f"{self.path}: the index is locked by another process ({exc})")
+        text = str(exc).lower()
+        if "full" in text or "disk i/o" in text or "readonly" in text or "read-only" in text:
+            return TierUnavailableError(f"{self.path}: cannot write the index ({exc})")
+        if self.closed or "closed" in text:
+            return KVStrataError(f"{self.path}: the index was closed")
+        return StoreFormatError(
+            f"{self.path}: the index is damaged or not kvstrata's ({exc}); `kvstrata fsck` checks it"
+        )
 
     def _prepare(self, timeout_s: float) -> None:
         """Check that the file is ours (or new), switch it to WAL and mark it. Several processes
@@ -90,54 +127,71 @@ class IndexDB:
             self._db.execute("COMMIT")
 
     # -- statements ------------------------------------------------------------------------------
+    # Every statement's SQLite error becomes a kvstrata error here (``translate``), so a damaged
+    # index page, a full disk or a lock held too long reaches the caller as one line.
     def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
-        with self.lock:
-            return self._db.execute(sql, args)
+        with self.lock, self._translated():
+            return self._conn.execute(sql, args)
 
     def executescript(self, sql: str) -> None:
-        with self.lock:
-            self._db.executescript(sql)
+        with self.lock, self._translated():
+            self._conn.executescript(sql)
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self.lock:
-            return self._db.execute(sql, args).fetchall()
+        with self.lock, self._translated():
+            return self._conn.execute(sql, args).fetchall()
 
     def query_one(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        with self.lock:
-            return self._db.execute(sql, args).fetchone()  # type: ignore[no-any-return]
+        with self.lock, self._translated():
+            return self._conn.execute(sql, args).fetchone()  # type: ignore[no-any-return]
 
     def query_dicts(self, sql: str, args: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        with self.lock:
-            cur = self._db.execute(sql, args)
+        with self.lock, self._translated():
+            cur = self._conn.execute(sql, args)
             names = [d[0] for d in cur.description]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None or self.closed:
+            raise KVStrataError(f"{self.path}: the index was closed")
+        return self._db
+
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise self.translate(exc) from exc
 
     def columns(self, table: str) -> set[str]:
         return {r[1] for r in self.query(f"PRAGMA table_info({table})")}
 
     # -- transactions ----------------------------------------------------------------------------
-    class _Tx:
-        def __init__(self, db: IndexDB) -> None:
-            self.db = db
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.db.lock.acquire()
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """``with db.transaction() as conn:`` one write transaction (BEGIN IMMEDIATE .. COMMIT),
+        rolled back when its body raises; SQLite's errors, the body's included, leave it as
+        kvstrata errors (``translate``)."""
+        with self.lock:
+            conn = self._conn
             try:
-                self.db._db.execute("BEGIN IMMEDIATE")
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise self.translate(exc) from exc
+            try:
+                yield conn
+            except sqlite3.Error as exc:  # met inside the transaction's body
+                _rollback(conn)
+                raise self.translate(exc) from exc
             except BaseException:
-                self.db.lock.release()
+                _rollback(conn)
                 raise
-            return self.db._db
-
-        def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
             try:
-                self.db._db.execute("ROLLBACK" if exc_type else "COMMIT")
-            finally:
-                self.db.lock.release()
-
-    def transaction(self) -> IndexDB._Tx:
-        """``with db.transaction() as conn:`` one write transaction (BEGIN IMMEDIATE .. COMMIT)."""
-        return IndexDB._Tx(self)
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:  # a full disk, a damaged page: nothing committed
+                _rollback(conn)
+                raise self.translate(exc) from exc
 
     # -- meta ------------------------------------------------------------------------------------
     def get_meta(self, name: str) -> str | None:
@@ -152,6 +206,12 @@ class IndexDB:
         """The store's layout and index format: recorded on first open, checked against
         ``layout`` afterwards. A format newer than this build's is refused; an older one is
         returned for the caller to migrate."""
+        try:
+            return self._check_layout(layout)
+        except (KeyError, TypeError, ValueError) as exc:  # a damaged meta row
+            raise StoreFormatError(f"{self.path}: the index's format record is damaged ({exc!r})") from exc
+
+    def _check_layout(self, layout: KVLayout | None) -> tuple[KVLayout, int]:
         meta = dict(self.query("SELECT name, value FROM meta"))
         if not meta:
             if layout is None:
@@ -185,7 +245,25 @@ class IndexDB:
         return stored, version
 
     def close(self) -> None:
+        """Close the connection; it is released even when closing fails (the error is raised)."""
         with self.lock:
-            if not self.closed:
-                self._db.close()
+            if self.closed or self._db is None:
                 self.closed = True
+                return
+            self.closed = True
+            try:
+                self._db.close()
+            except sqlite3.Error as exc:
+                raise self.translate(exc) from exc
+
+
+def _busy(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back what is open; a failing rollback (the transaction already gone) changes nothing."""
+    with contextlib.suppress(sqlite3.Error):
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")

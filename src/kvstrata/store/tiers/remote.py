@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvstrata.crypto import Keyring
+from kvstrata.crypto import NONCE_BYTES, Keyring
 from kvstrata.errors import CorruptBlockError, SessionConflictError, TierUnavailableError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.layout import KVLayout
@@ -42,6 +42,8 @@ from kvstrata.store.tiers.breaker import CircuitBreaker
 from kvstrata.tiering import RemoteConfig, TierLevel, TierUsage, cluster_seeds, redact_url, split_url
 
 log = logging.getLogger(__name__)
+_SEALED_MANIFEST = b"KVSM\x01"
+"""Starts a session manifest sealed with the namespace's key (an encrypted store's)."""
 T = TypeVar("T")
 Client = redis.Redis | redis.cluster.RedisCluster
 # what a failing Redis raises: redis-py's errors (RedisClusterException is not a RedisError: a
@@ -268,6 +270,9 @@ class RedisTier:
         """Publish ``data`` as version ``expected_version + 1``; ``SessionConflictError`` if another
         engine published since ``expected_version`` was read (the loser's data stays local)."""
         name = self._session_name(namespace, session_id)
+        if self.keyring is not None:  # its token ids are the conversation: sealed like the blocks
+            nonce, sealed = self.keyring.seal(namespace, _SEALED_MANIFEST + name.encode(), data)
+            data = _SEALED_MANIFEST + nonce + sealed
         result = int(
             self._call(
                 "publish",
@@ -289,7 +294,19 @@ class RedisTier:
         )
         if fields[0] is None or fields[1] is None:
             return None
-        return int(fields[0]), bytes(fields[1])
+        data = bytes(fields[1])
+        if data.startswith(_SEALED_MANIFEST):
+            name = self._session_name(namespace, session_id)
+            body = data[len(_SEALED_MANIFEST) :]
+            try:
+                if self.keyring is None:
+                    raise CorruptBlockError("it is encrypted and this store has no key")
+                nonce, sealed = body[:NONCE_BYTES], body[NONCE_BYTES:]
+                data = self.keyring.open(namespace, nonce, _SEALED_MANIFEST + name.encode(), sealed, None)
+            except CorruptBlockError as exc:
+                log.warning("remote manifest of %s/%s not used: %s", namespace, session_id, exc)
+                return None
+        return int(fields[0]), data
 
     def delete_manifest(self, namespace: str, session_id: str) -> bool:
         return bool(self._call("delete", lambda c: c.delete(self._session_name(namespace, session_id))))

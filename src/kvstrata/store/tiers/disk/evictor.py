@@ -38,7 +38,7 @@ from kvstrata.priority import Priority, higher_priority
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.index.block_rows import BlockTable, Placement
-from kvstrata.store.index.session_rows import SessionTable
+from kvstrata.store.index.session_table import SessionTable
 from kvstrata.tiering import TierLevel
 
 log = logging.getLogger(__name__)

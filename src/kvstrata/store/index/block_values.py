@@ -1,0 +1,108 @@
+"""The values of the ``blocks`` table as Python sees them: a whole row (:class:`BlockRow`) and
+what the disk tier needs of one (:class:`Placement`), each checked as it is read back, so that a
+damaged row (a value of another type, an unknown codec id, a negative offset) is a
+:class:`~kvstrata.errors.CorruptBlockError` instead of a wrong read or a stray ``ValueError``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from kvstrata.codecs.base import CodecId
+from kvstrata.errors import CorruptBlockError
+from kvstrata.keys import KEY_BYTES, BlockKey
+
+
+@dataclass(slots=True)
+class BlockRow:
+    key: BlockKey
+    cold: bool
+    num_tokens: int
+    start_pos: int
+    codec: int
+    nbytes: int
+    created: float
+    last_access: float
+    access_count: int
+    namespace: str | None = None
+    file_id: str = ""
+    """The segment holding the record (``offset`` set), or this write's own block file
+    (``<key>.<file_id>.kvbin``, ``offset`` None; '' for files written before format 2)."""
+    offset: int | None = None
+    """Where the record starts in its segment; None for a block file of its own."""
+
+
+class Placement(NamedTuple):
+    """What the disk tier needs to find and account a block (its cache of the index)."""
+
+    cold: bool
+    nbytes: int
+    codec: int
+    num_tokens: int
+    file_id: str
+    offset: int | None = None
+    """The record's offset in segment ``file_id``; None: a block file of its own."""
+
+    @property
+    def in_segment(self) -> bool:
+        return self.offset is not None
+
+
+CODECS = frozenset(int(c) for c in CodecId)
+
+
+def placement(row: Sequence[Any]) -> Placement:
+    """A placement read from the index, its values checked: a damaged row (a value of another
+    type, an unknown codec) is ``CorruptBlockError``, never a placement to act on."""
+    cold, nbytes, codec, num_tokens, file_id, offset = row
+    if not (
+        cold in (0, 1)
+        and type(nbytes) is int
+        and nbytes > 0
+        and type(codec) is int
+        and codec in CODECS
+        and type(num_tokens) is int
+        and num_tokens > 0
+        and isinstance(file_id, str)
+        and (offset is None or (type(offset) is int and offset >= 0))
+    ):
+        raise CorruptBlockError(
+            f"damaged block row in the index (cold={cold!r:.20}, bytes={nbytes!r:.20}, codec={codec!r:.20}, "
+            f"tokens={num_tokens!r:.20}, file={file_id!r:.40}, offset={offset!r:.20})"
+        )
+    return Placement(bool(cold), nbytes, codec, num_tokens, file_id, offset)
+
+
+def block_row(row: Sequence[Any]) -> BlockRow:
+    """A whole block row (``_COLUMNS`` order), checked like a placement."""
+    (
+        key,
+        cold,
+        num_tokens,
+        start_pos,
+        codec,
+        nbytes,
+        created,
+        last_access,
+        count,
+        namespace,
+        file_id,
+        offset,
+    ) = row
+    placement((cold, nbytes, codec, num_tokens, file_id, offset))
+    if not (
+        isinstance(key, bytes)
+        and len(key) == KEY_BYTES
+        and type(start_pos) is int
+        and start_pos >= 0
+        and isinstance(created, float | int)
+        and isinstance(last_access, float | int)
+        and type(count) is int
+        and (namespace is None or isinstance(namespace, str))
+    ):
+        raise CorruptBlockError(f"damaged block row in the index (key {key!r:.80})")
+    return BlockRow(
+        BlockKey(key), bool(cold), num_tokens, start_pos, codec, nbytes, created, last_access, count,
+        namespace, file_id, offset,
+    )  # fmt: skip

@@ -1,0 +1,213 @@
+"""Issue 30, gap 6: every byte of the index the store trusts is checked before use, and every failure
+of the index is a kvstrata error of one line (the command line included); a failing close still
+releases what it holds."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata import KVStore, StoreConfig
+from kvstrata.cli.main import app
+from kvstrata.errors import CorruptBlockError, KVStrataError, StoreFormatError
+from kvstrata.store.index.db import INDEX_FORMAT_VERSION
+from kvstrata.store.index.session_codec import row_crc
+from kvstrata.store.index.session_rows import COLUMNS, TABLE
+
+from conftest import LAYOUT, token_kv
+
+Factory = Callable[..., KVStore]
+TOKENS = list(range(50, 73))  # 5 full blocks and a tail
+
+
+def _store_with_session(open_store: Factory, root: Path) -> None:
+    store = open_store(root)
+    session = store.create_session("s")
+    store.append(session, TOKENS, token_kv(LAYOUT, TOKENS))
+    store.checkpoint(session)
+    other = store.create_session("t")
+    store.append(other, TOKENS[:9], token_kv(LAYOUT, TOKENS[:9]))
+    store.checkpoint(other)
+    store.close()
+
+
+def _update(root: Path, sql: str, args: tuple[object, ...] = ()) -> None:
+    with sqlite3.connect(root / "index.sqlite") as db:
+        db.execute(sql, args)
+
+
+def test_a_flipped_bit_in_a_session_rows_token_ids_is_refused(open_store: Factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    with sqlite3.connect(root / "index.sqlite") as db:
+        (tokens,) = db.execute("SELECT token_ids FROM sessions WHERE id = 's'").fetchone()
+        damaged = bytearray(tokens)
+        damaged[9] ^= 0x04
+        db.execute("UPDATE sessions SET token_ids = ? WHERE id = 's'", (bytes(damaged),))
+    store = open_store(root)
+    with pytest.raises(CorruptBlockError, match="CRC32C") as refused:
+        store.session("s")
+    assert "\n" not in str(refused.value) and "s" in str(refused.value)
+    assert store.session("t").token_ids == TOKENS[:9]  # the other session is served as it was
+
+
+def test_token_ids_that_do_not_hash_to_the_block_keys_are_refused_even_under_a_good_checksum(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    with sqlite3.connect(root / "index.sqlite") as db:
+        values = list(db.execute(f"SELECT {', '.join(TABLE.names)} FROM sessions WHERE id = 's'").fetchone())
+        tokens = bytearray(values[COLUMNS.index("token_ids")])
+        tokens[4] ^= 0x01  # token 1 becomes another token: a row a bug could write
+        values[COLUMNS.index("token_ids")] = bytes(tokens)
+        crc = row_crc(values[: len(COLUMNS)], values[len(COLUMNS)])
+        db.execute("UPDATE sessions SET token_ids = ?, row_crc = ? WHERE id = 's'", (bytes(tokens), crc))
+    store = open_store(root)
+    with pytest.raises(CorruptBlockError, match="do not hash to its block keys"):
+        store.session("s")
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("codec", 99), ("codec", "int8"), ("nbytes", -1), ("seg_offset", -5), ("num_tokens", "four")],
+)
+def test_a_damaged_block_row_is_a_corrupt_block_not_a_value_error(
+    open_store: Factory, tmp_path: Path, column: str, value: object
+) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    _update(root, f"UPDATE OR IGNORE blocks SET {column} = ?", (value,))
+    store = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
+    session = store.session("s")
+    try:
+        loaded = store.load(session)
+    except KVStrataError:
+        pass  # refused: fine
+    else:
+        assert loaded.num_tokens < len(TOKENS)  # not served from a damaged row
+    with pytest.raises(KVStrataError):
+        list(store.index.blocks)
+
+
+def _zero_page(root: Path, page: int) -> None:
+    with (root / "index.sqlite").open("r+b") as f:
+        f.seek(page * 4096)
+        f.write(bytes(4096))
+
+
+def test_every_index_page_zeroed_gives_a_kvstrata_error_or_a_working_store(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    template = tmp_path / "template"
+    _store_with_session(open_store, template)
+    pages = (template / "index.sqlite").stat().st_size // 4096
+    assert pages >= 8
+    outcomes = []
+    for page in range(pages):
+        root = tmp_path / f"p{page}"
+        root.mkdir()
+        (root / "index.sqlite").write_bytes((template / "index.sqlite").read_bytes())
+        for sub in ("segments", "hot", "cold"):
+            if (template / sub).exists():
+                (root / sub).symlink_to(template / sub)
+        _zero_page(root, page)
+        try:
+            with KVStore(root, config=StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)) as store:
+                store.list_sessions()
+                store.stats()
+                for sid, tokens in (("s", TOKENS), ("t", TOKENS[:9])):
+                    try:
+                        session = store.session(sid)
+                    except KVStrataError:
+                        continue
+                    assert session.token_ids == tokens
+            outcomes.append("works")
+        except KVStrataError as exc:
+            assert "\n" not in str(exc)
+            outcomes.append(type(exc).__name__)
+    assert "StoreFormatError" in outcomes  # the check can fail: most pages matter
+
+
+def test_the_commands_print_one_line_on_a_store_with_a_zeroed_index_page(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    _zero_page(root, 1)  # the first page after the header: sqlite_master's tables live around it
+    for args in (["sessions", "list"], ["store", "stats"], ["gc"], ["sessions", "show", "s"]):
+        result = CliRunner().invoke(app, [*args, "--store", str(root)])
+        assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (args, result.exception)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output, (
+            result.stderr
+        )
+    segment = next((root / "segments").iterdir())
+    inspected = CliRunner().invoke(app, ["inspect", str(root / "index.sqlite")])
+    assert inspected.exit_code == 1 and len(inspected.stderr.strip().splitlines()) == 1
+    assert CliRunner().invoke(app, ["inspect", str(segment)]).exit_code == 0  # the data is fine
+
+
+def test_a_readers_close_on_a_full_disk_raises_nothing_and_releases_everything(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    store = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
+    assert store.load(store.session("s")).num_tokens == len(TOKENS)  # access times to save at close
+    conn = store.index.db._db
+    assert conn is not None
+
+    class FullDisk:
+        """The connection of a disk with no room left: reads work, writes fail as SQLite fails."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(conn, name)
+
+        def execute(self, sql: str, *args: object) -> object:
+            if sql.split()[0].upper() in ("BEGIN", "INSERT", "UPDATE", "DELETE", "COMMIT"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return conn.execute(sql, *args)
+
+    store.index.db._db = FullDisk()  # type: ignore[assignment]
+    lock_file = store.processes.dir / f"{store.processes.token}.lock"  # type: ignore[union-attr]
+    assert lock_file.exists()
+    store.close()  # no error: access times and figures are best effort
+    assert not lock_file.exists() and store.index.closed
+    conn.close()
+
+
+def test_a_failing_close_still_releases_the_process_lock(open_store: Factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    store = open_store(root)
+    lock_file = store.processes.dir / f"{store.processes.token}.lock"  # type: ignore[union-attr]
+
+    def fail() -> None:
+        raise StoreFormatError("the index could not be closed")
+
+    store.tiered.close = fail  # type: ignore[method-assign]
+    with pytest.raises(StoreFormatError):
+        store.close()
+    assert not lock_file.exists() and store.index.closed
+
+
+def test_a_format_3_store_gets_checksummed_rows(open_store: Factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    with sqlite3.connect(root / "index.sqlite") as db:  # as a build before format 4 left it
+        db.execute("ALTER TABLE sessions DROP COLUMN row_crc")
+        db.execute("ALTER TABLE sessions DROP COLUMN sealed")
+        db.execute("UPDATE meta SET value = '3' WHERE name = 'format_version'")
+    with KVStore(root, read_only=True) as old:  # read as it is
+        assert old.session("s").token_ids == TOKENS
+    store = open_store(root)
+    assert store.index.get_meta("format_version") == str(INDEX_FORMAT_VERSION)
+    assert store.session("s").token_ids == TOKENS
+    store.close()
+    _update(root, "UPDATE sessions SET row_crc = NULL WHERE id = 's'")
+    with pytest.raises(CorruptBlockError, match="lost its checksum"):
+        open_store(root).session("s")
