@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata import KVStore, SessionNotFoundError
+from kvstrata import KVStore
+from kvstrata.errors import TierUnavailableError
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.breaker import CircuitBreaker
 from kvstrata.store.tiers.remote import RemoteConfig
@@ -72,11 +73,12 @@ def _write_sessions(store: KVStore, names: list[str], first: int = 0) -> None:
 
 def _read(store: KVStore, name: str, tokens: list[int]) -> int:
     """Tokens of the session read back; a miss (manifest or blocks unreachable) reads fewer. Any
-    exception is a failed request, and bytes that differ are wrong data: both fail the test."""
+    other exception is a failed request (``SessionNotFoundError`` for a session that exists
+    included: issue 30, gap 7), and bytes that differ are wrong data: both fail the test."""
     try:
         session = store.session(name)
-    except SessionNotFoundError:
-        return 0
+    except TierUnavailableError:
+        return 0  # unavailable while the cluster fails over: a miss, never "not found"
     assert session.token_ids == tokens
     loaded = store.load(session)
     if loaded.num_tokens:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+from collections.abc import Callable
 from typing import Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -15,21 +17,50 @@ from kvstrata.cli.chat_cmd import chat
 from kvstrata.cli.common import fail
 from kvstrata.cli.demo_cmd import store_demo
 from kvstrata.cli.eval_cmd import eval_app
+from kvstrata.cli.inspect_cmd import inspect
 from kvstrata.cli.serve_cmd import serve
 from kvstrata.cli.sessions_cmds import sessions_app
-from kvstrata.cli.store_cmds import gc, inspect, store_app
+from kvstrata.cli.store_cmds import gc, store_app
 from kvstrata.errors import KVStrataError
 
 
 class _Commands(TyperGroup):
     """Every command's kvstrata error (a damaged index, a missing key, a busy store) ends as one
-    line on stderr and exit status 1, whichever command met it and wherever."""
+    line on stderr and exit status 1, whichever command met it and wherever; and no command of
+    the tree accepts a number flag of ``nan`` or ``inf`` (one line as well)."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: Any) -> Any:
+        _finite_numbers(self)
         try:
             return super().invoke(ctx)
         except KVStrataError as exc:
             fail(str(exc))
+
+
+def _finite_numbers(command: Any) -> None:
+    """Wrap the function of every command under ``command`` so that a float value of NaN or an
+    infinity, of any option or argument, is refused in one line before the command runs (the
+    command tree is built afresh for each invocation: each is wrapped once)."""
+    if command.callback is not None and not getattr(command.callback, _WRAPPED, False):
+        command.callback = _checked(command.callback)
+    for sub in getattr(command, "commands", {}).values():  # a group's commands
+        _finite_numbers(sub)
+
+
+_WRAPPED = "_kvstrata_finite_numbers"
+
+
+def _checked(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        for name, value in kwargs.items():
+            for number in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(number, float) and not math.isfinite(number):
+                    fail(f"--{name.replace('_', '-')} must be a finite number, got {number}")
+        return function(*args, **kwargs)
+
+    setattr(run, _WRAPPED, True)
+    return run
 
 
 app = typer.Typer(

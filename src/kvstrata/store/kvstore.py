@@ -28,6 +28,7 @@ from kvstrata.errors import (
     SessionExistsError,
     SessionNotFoundError,
     StoreFormatError,
+    TierUnavailableError,
 )
 from kvstrata.keys import BlockKey, chain_key, root_key
 from kvstrata.layout import KVLayout
@@ -133,7 +134,7 @@ class KVStore(BlockAccess, Leasing, SessionIO):
             self.documents = SessionDocuments(
                 self.index.documents,
                 keyring,
-                lambda namespace, session_id: self._find(namespace, session_id) is not None,
+                lambda namespace, session_id: self._find(namespace, session_id, strict=True) is not None,
                 read_only=read_only,
             )
             """Small named blobs a session owns (transcripts, stored responses): see documents.py."""
@@ -263,14 +264,25 @@ class KVStore(BlockAccess, Leasing, SessionIO):
         self._sessions[(namespace, session_id)] = session
         return session
 
-    def _find(self, namespace: str, session_id: str) -> Session | None:
+    def _find(self, namespace: str, session_id: str, *, strict: bool = False) -> Session | None:
+        """The session, or None. With the remote tier unavailable, a session this store's index
+        does not hold is unknown, not missing: ``strict`` raises ``TierUnavailableError`` then
+        (``session()``), else None (creating a session anew goes on, as without a remote)."""
         session = self._sessions.get((namespace, session_id))
         if session is not None and not self.fresh(session):
             session = None  # another process checkpointed (or deleted) it since: read it again
         if session is None:
             row = self.index.sessions.get(namespace, session_id)
             session = Session.from_row(row) if row is not None else None
-            remote = self._fetch_remote(namespace, session_id)
+            try:
+                remote = self._fetch_remote(namespace, session_id)
+            except TierUnavailableError as exc:
+                if strict and session is None:
+                    raise TierUnavailableError(
+                        f"session {namespace}/{session_id} is unavailable: this store does not hold it "
+                        f"and the remote tier that may is not answering ({exc})"
+                    ) from exc
+                remote = None
             # another engine continued the session since this one last saw it: take its version
             if remote is not None and (session is None or remote.remote_version > session.remote_version):
                 remote.checkpointed_tokens = remote.num_tokens
@@ -303,7 +315,9 @@ class KVStore(BlockAccess, Leasing, SessionIO):
         return session
 
     def session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Session:
-        session = self._find(namespace, session_id)
+        """The session; ``SessionNotFoundError`` if it does not exist, ``TierUnavailableError``
+        if it may exist only in a remote tier that is not answering."""
+        session = self._find(namespace, session_id, strict=True)
         if session is None:
             raise SessionNotFoundError(f"no session {session_id!r} in namespace {namespace!r}")
         return session

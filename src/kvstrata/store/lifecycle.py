@@ -56,6 +56,8 @@ class GcReport:
     segments_compacted: int = 0
     compacted_bytes: int = 0
     """Disk space the compaction gave back (``GcConfig.compact_hole_fraction``)."""
+    process_files_removed: int = 0
+    """Lock files of processes that died with the store open (``procs/``)."""
 
 
 @contextlib.contextmanager
@@ -93,6 +95,7 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
             )
             compacted = compactor.compact(config.compact_hole_fraction)
         orphans = _remove_orphans(store, now - config.grace_s)
+        swept = store.processes.sweep() if store.processes is not None else 0  # dead processes' locks
     return GcReport(
         deleted,
         len(doomed),
@@ -104,6 +107,7 @@ def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: floa
         busy,
         compacted.segments_compacted if compacted is not None else 0,
         compacted.bytes_reclaimed if compacted is not None else 0,
+        swept,
     )
 
 
@@ -125,10 +129,11 @@ def _expire_sessions(store: KVStore, config: GcConfig, now: float) -> tuple[int,
 
 def _delete_unreferenced(store: KVStore, older_than: float) -> dict[BlockKey, Placement]:
     live = {key for session in store.live_sessions() for key in session.all_keys()}
+    sessions = store.index.sessions
 
     def referenced(db: sqlite3.Connection) -> set[bytes]:
         # a damaged session row raises here: nothing is deleted on the word of a damaged index
-        return set(live) | store.index.sessions.referenced_keys(db)  # live: since their checkpoint
+        return set(live) | sessions.referenced_keys(db)  # live: since their checkpoint
 
     return store.index.blocks.delete_unreferenced(referenced, older_than)
 

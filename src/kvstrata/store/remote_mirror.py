@@ -114,12 +114,14 @@ class RemoteMirror:
 
     # -- session manifests -----------------------------------------------------------------------
     def fetch_manifest(self, namespace: str, session_id: str) -> tuple[int, bytes] | None:
+        """The session's manifest and version, None if Redis holds none; ``TierUnavailableError``
+        (counted) when Redis does not answer: the caller tells "unavailable" from "missing"."""
         try:
             return self.tier.fetch_manifest(namespace, session_id)
         except TierUnavailableError as exc:
             self.counters.remote_errors += 1
             log.warning("remote manifest of %s/%s not read: %s", namespace, session_id, exc)
-            return None
+            raise
 
     def publish_manifest(
         self, namespace: str, session_id: str, data: bytes, expected_version: int
