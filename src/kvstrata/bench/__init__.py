@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "server-load": "server_load",
     "batching": "batching",
     "soak": "soak",
+    "fuzz": "fuzz",
 }
 """``kvstrata bench <name>`` -> its package in this package (the command is in its ``runner``)."""
 
