@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata import KVStore, SessionConflictError, SessionNotFoundError
+from kvstrata import KVStore, SessionConflictError, TierUnavailableError
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.remote import RemoteConfig
 
@@ -75,8 +75,8 @@ def test_redis_down_never_fails_a_request(open_store: Factory, tmp_path: Path) -
     assert engine.counters.remote_errors > 0
     assert torch.equal(engine.load(session).kv, token_kv(LAYOUT, list(range(12))))  # type: ignore[arg-type]
     other = open_store(tmp_path / "b", remote=remote)
-    with pytest.raises(SessionNotFoundError):
-        other.session("agent")  # not reachable: a clean miss, not a crash
+    with pytest.raises(TierUnavailableError, match="unavailable"):
+        other.session("agent")  # not reachable: unavailable (issue 30 gap 7), not missing, not a crash
     server.start()
     l4 = engine.tiered.remote.tier
     assert l4 is not None
