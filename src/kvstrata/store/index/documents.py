@@ -23,27 +23,12 @@ from typing import TYPE_CHECKING
 import crc32c
 
 from kvstrata.errors import CorruptBlockError, SessionNotFoundError
+from kvstrata.store.index.schema import Column, Table, column, columns_of
 
 if TYPE_CHECKING:
     from kvstrata.store.index.db import IndexDB
 
 TABLE = "session_documents"
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS {TABLE} (
-    namespace TEXT NOT NULL,
-    session_id TEXT NOT NULL,
-    name TEXT NOT NULL,
-    data BLOB NOT NULL,
-    sealed INTEGER NOT NULL,
-    inherited INTEGER NOT NULL DEFAULT 0,
-    updated REAL NOT NULL,
-    crc INTEGER NOT NULL,
-    PRIMARY KEY (namespace, session_id, name)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS {TABLE}_by_name ON {TABLE} (namespace, name);
-"""
-_COLUMNS = "namespace, session_id, name, data, sealed, inherited, updated, crc"
-_INSERT = f"INSERT OR REPLACE INTO {TABLE} ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def row_identity(namespace: str, session_id: str, name: str) -> bytes:
@@ -58,16 +43,19 @@ def _crc(namespace: str, session_id: str, name: str, sealed: bool, inherited: bo
 
 @dataclass(frozen=True, slots=True)
 class DocumentRow:
-    namespace: str
-    session_id: str
-    name: str
-    data: bytes
+    """One row; its fields are the table's columns (the table below is derived from them)."""
+
+    namespace: str = column("TEXT NOT NULL")
+    session_id: str = column("TEXT NOT NULL")
+    name: str = column("TEXT NOT NULL")
+    data: bytes = column("BLOB NOT NULL")
     """The bytes as stored: sealed (nonce + ciphertext) when ``sealed``, else the document."""
-    sealed: bool
-    inherited: bool = False
-    updated: float = 0.0
+    sealed: bool = column("INTEGER NOT NULL")
+    inherited: bool = column("INTEGER NOT NULL DEFAULT 0", default=False)
+    updated: float = column("REAL NOT NULL", default=0.0)
 
     def values(self) -> tuple[object, ...]:
+        """The stored values in ``TABLE``'s column order: the fields, then the row's CRC32C."""
         crc = _crc(self.namespace, self.session_id, self.name, self.sealed, self.inherited, self.data)
         return (
             self.namespace,
@@ -79,6 +67,14 @@ class DocumentRow:
             self.updated or time.time(),
             crc,
         )
+
+
+_TABLE = Table(
+    TABLE, (*columns_of(DocumentRow), Column("crc", "INTEGER NOT NULL")), ("namespace", "session_id", "name")
+)
+SCHEMA = _TABLE.ddl() + f"CREATE INDEX IF NOT EXISTS {TABLE}_by_name ON {TABLE} (namespace, name);\n"
+_COLUMNS = ", ".join(_TABLE.names)
+_INSERT = _TABLE.insert()
 
 
 def _checked(raw: Sequence[object]) -> DocumentRow:
