@@ -62,3 +62,19 @@ def test_the_bench_command(tmp_path: Path) -> None:
     data = json.loads(result.stdout)["data"]
     assert data["trials"] == 4 and data["totals"]["loads"] > 0
     assert data["totals"]["wrong"] == 0 and data["totals"]["raw"] == 0
+
+
+def test_mutations_apply_over_earlier_damage(templates: list[Template], tmp_path: Path) -> None:
+    """Combined mutations: each one runs (or says why it cannot) over a store whose index an
+    earlier one made unreadable or removed."""
+    from kvstrata.bench.fuzz.template import copy
+    from kvstrata.bench.fuzz.trial import apply
+
+    for first in ("zero_index_page", "foreign_index", "remove_file", "truncate"):
+        for name in mutations.MUTATIONS:
+            root = tmp_path / f"{first}-{name}"
+            copy(templates[0], root)
+            with (root / "index.sqlite").open("r+b") as f:
+                f.write(bytes(100))  # the header: "file is not a database"
+            done = apply([first, name], root, random.Random(3), templates[1].root)
+            assert len(done) == 2

@@ -13,6 +13,7 @@ What counts:
 from __future__ import annotations
 
 import random
+import sqlite3
 import sys
 import traceback
 from collections.abc import Callable
@@ -54,11 +55,7 @@ def run_trial(
     from its seed."""
     trial = copy(template, workdir / "store")
     outcome = Outcome(direct_reads=rng.random() < 0.5)
-    for name in mutations.pick(rng, rng.choice((1, 1, 2, 3))):
-        try:
-            outcome.mutations.append(f"{name}: {mutations.MUTATIONS[name](trial.root, rng, other.root)}")
-        except (OSError, IndexError, ValueError) as exc:  # nothing left to damage that way
-            outcome.mutations.append(f"{name}: not made ({exc})")
+    outcome.mutations = apply(mutations.pick(rng, rng.choice((1, 1, 2, 3))), trial.root, rng, other.root)
     if outcome.direct_reads:
         drop_store_page_cache(trial.root)  # so that the direct path is the one taken
     _guard(outcome, "API", lambda: _use_store(trial, outcome))
@@ -66,6 +63,18 @@ def run_trial(
         _use_commands(cli, trial, outcome, rng)
         _guard(outcome, "API after the commands", lambda: _use_store(trial, outcome))
     return outcome
+
+
+def apply(names: list[str], root: Path, rng: random.Random, other: Path) -> list[str]:
+    """Apply the mutations ``names`` in turn; what each did (or why it could not: an earlier one
+    may have left nothing to damage that way, a file gone or an index SQLite cannot open)."""
+    done = []
+    for name in names:
+        try:
+            done.append(f"{name}: {mutations.MUTATIONS[name](root, rng, other)}")
+        except (OSError, IndexError, ValueError, sqlite3.Error) as exc:
+            done.append(f"{name}: not made ({exc})")
+    return done
 
 
 def _guard(outcome: Outcome, where: str, work: Callable[[], None]) -> None:
