@@ -74,7 +74,15 @@ def test_token_ids_that_do_not_hash_to_the_block_keys_are_refused_even_under_a_g
 
 @pytest.mark.parametrize(
     ("column", "value"),
-    [("codec", 99), ("codec", "int8"), ("nbytes", -1), ("seg_offset", -5), ("num_tokens", "four")],
+    [
+        ("codec", 99),
+        ("codec", "int8"),
+        ("nbytes", -1),
+        ("nbytes", 1 << 40),
+        ("seg_offset", -5),
+        ("num_tokens", "four"),
+        ("num_tokens", 10**6),
+    ],
 )
 def test_a_damaged_block_row_is_a_corrupt_block_not_a_value_error(
     open_store: Factory, tmp_path: Path, column: str, value: object

@@ -26,6 +26,7 @@ from kvstrata.errors import KVStrataError, StoreFormatError
 from kvstrata.layout import KVLayout
 from kvstrata.store.index import block_rows, documents, leases, session_rows
 from kvstrata.store.index.block_rows import BlockRow, BlockTable
+from kvstrata.store.index.block_values import RowLimits
 from kvstrata.store.index.db import INDEX_FORMAT_VERSION, META_SCHEMA, ROW_CRC_FORMAT, IndexDB
 from kvstrata.store.index.documents import DocumentTable
 from kvstrata.store.index.leases import LeaseTable
@@ -54,7 +55,10 @@ class Index:
             elif not self.db.columns("meta"):
                 raise StoreFormatError(f"{path} holds no kvstrata index")
             self.layout, version = self.db.check_layout(layout)
-            self.blocks = BlockTable(self.db)
+            # a record is its block's bytes (twice that for the loosest codec) plus its header and
+            # parameters: a row naming more is damage, never the size of a read
+            limits = RowLimits(2 * self.layout.bytes_per_block + (1 << 20), self.layout.block_tokens)
+            self.blocks = BlockTable(self.db, limits)
             codec = SessionRowCodec(self.layout, keyring)
             self.sessions = SessionTable(self.db, codec, crc_required=version >= ROW_CRC_FORMAT)
             self.leases = LeaseTable(self.db)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.errors import CorruptBlockError, KVStrataError
 from kvstrata.keys import BlockKey
-from kvstrata.store.index.block_values import CODECS, BlockRow, Placement, block_row
+from kvstrata.store.index.block_values import CODECS, BlockRow, Placement, RowLimits, block_row
 from kvstrata.store.index.block_values import placement as checked_placement
 
 if TYPE_CHECKING:
@@ -66,13 +66,13 @@ _ADDED = {"namespace": "NULL", "file_id": "''", "seg_offset": "NULL"}
 FILE_INDEX = "CREATE INDEX IF NOT EXISTS blocks_by_file ON blocks(file_id)"
 
 
-def _replaced(old: Sequence[Any] | None) -> Placement | None:
+def _replaced(old: Sequence[Any] | None, limits: RowLimits) -> Placement | None:
     """The placement of a row being replaced or deleted ((namespace, *placement)); None for a
     damaged one, whose file is then left to gc's sweep of files the index does not name."""
     if old is None:
         return None
     try:
-        return checked_placement(old[1:])
+        return checked_placement(old[1:], limits)
     except CorruptBlockError:
         return None
 
@@ -117,8 +117,10 @@ def _select_old(db: sqlite3.Connection, key: bytes) -> tuple[Any, ...] | None:
 
 
 class BlockTable:
-    def __init__(self, db: IndexDB) -> None:
+    def __init__(self, db: IndexDB, limits: RowLimits | None = None) -> None:
+        """``limits``: what no block of the store exceeds (rows beyond them are damage)."""
         self.db = db
+        self.limits = limits or RowLimits()
         self._pending_access: dict[BlockKey, tuple[float, int]] = {}
         self._flushed_at = time.time()
         self._present = db.columns("blocks")
@@ -177,7 +179,7 @@ class BlockTable:
             current = _select_many(db, [row.key for row in rows])  # key -> (namespace, *placement)
             for row in rows:
                 old = current.get(row.key)
-                old_placement = _replaced(old)
+                old_placement = _replaced(old, self.limits)
                 if old_placement is not None:
                     count(old[0], -1, -old_placement.nbytes)  # type: ignore[index]
                 count(row.namespace, 1, row.nbytes)
@@ -199,7 +201,7 @@ class BlockTable:
                 if old is None or (file_id is not None and old[5] != file_id):
                     continue
                 db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-                old_placement = _replaced(old)
+                old_placement = _replaced(old, self.limits)
                 if old_placement is not None:
                     _account(db, old[0], -1, -old_placement.nbytes)
                     removed[key] = old_placement
@@ -221,7 +223,7 @@ class BlockTable:
             removed: dict[BlockKey, Placement] = {}
             for key, row in doomed.items():
                 db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-                old_placement = _replaced(row[1:])
+                old_placement = _replaced(row[1:], self.limits)
                 if old_placement is not None:
                     _account(db, row[1], -1, -old_placement.nbytes)
                     removed[key] = old_placement
@@ -291,12 +293,12 @@ class BlockTable:
     # -- reads -----------------------------------------------------------------------------------
     def placement(self, key: BlockKey) -> Placement | None:
         row = self.db.query_one(f"SELECT {self._sql(_PLACEMENT)} FROM blocks WHERE key = ?", (key,))
-        return checked_placement(row) if row else None
+        return checked_placement(row, self.limits) if row else None
 
     def placements(self) -> dict[BlockKey, Placement]:
         """The placement of every block, in one query."""
         rows = self.db.query(f"SELECT key, {self._sql(_PLACEMENT)} FROM blocks")
-        return {BlockKey(row[0]): checked_placement(row[1:]) for row in rows}
+        return {BlockKey(row[0]): checked_placement(row[1:], self.limits) for row in rows}
 
     def placements_of(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Placement]:
         """The placement of each of ``keys`` that has a row (in chunks, within SQLite's parameter
@@ -308,7 +310,7 @@ class BlockTable:
             chunk = keys[i : i + 500]
             marks = ", ".join("?" * len(chunk))
             rows = self.db.query(f"SELECT key, {columns} FROM blocks WHERE key IN ({marks})", chunk)
-            found.update((BlockKey(row[0]), checked_placement(row[1:])) for row in rows)
+            found.update((BlockKey(row[0]), checked_placement(row[1:], self.limits)) for row in rows)
         return found
 
     def present(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
@@ -326,7 +328,7 @@ class BlockTable:
 
     def __iter__(self) -> Iterator[BlockRow]:
         for row in self.db.query(f"SELECT {self._sql(_COLUMNS)} FROM blocks"):
-            yield block_row(row)
+            yield block_row(row, self.limits)
 
     def usage(self) -> tuple[int, int]:
         """(blocks, bytes) in L3, store-wide."""

@@ -52,18 +52,28 @@ class Placement(NamedTuple):
 CODECS = frozenset(int(c) for c in CodecId)
 
 
-def placement(row: Sequence[Any]) -> Placement:
+@dataclass(frozen=True, slots=True)
+class RowLimits:
+    """What no block of the store can exceed (from its layout): a row beyond them is damaged, and
+    is never used to size a read (a damaged size would allocate that much)."""
+
+    max_bytes: int = 1 << 30
+    max_tokens: int = 1 << 20
+
+
+def placement(row: Sequence[Any], limits: RowLimits = RowLimits()) -> Placement:
     """A placement read from the index, its values checked: a damaged row (a value of another
-    type, an unknown codec) is ``CorruptBlockError``, never a placement to act on."""
+    type, an unknown codec, a size no block has) is ``CorruptBlockError``, never a placement to
+    act on."""
     cold, nbytes, codec, num_tokens, file_id, offset = row
     if not (
         cold in (0, 1)
         and type(nbytes) is int
-        and nbytes > 0
+        and 0 < nbytes <= limits.max_bytes
         and type(codec) is int
         and codec in CODECS
         and type(num_tokens) is int
-        and num_tokens > 0
+        and 0 < num_tokens <= limits.max_tokens
         and isinstance(file_id, str)
         and (offset is None or (type(offset) is int and offset >= 0))
     ):
@@ -74,7 +84,7 @@ def placement(row: Sequence[Any]) -> Placement:
     return Placement(bool(cold), nbytes, codec, num_tokens, file_id, offset)
 
 
-def block_row(row: Sequence[Any]) -> BlockRow:
+def block_row(row: Sequence[Any], limits: RowLimits = RowLimits()) -> BlockRow:
     """A whole block row (``_COLUMNS`` order), checked like a placement."""
     (
         key,
@@ -90,7 +100,7 @@ def block_row(row: Sequence[Any]) -> BlockRow:
         file_id,
         offset,
     ) = row
-    placement((cold, nbytes, codec, num_tokens, file_id, offset))
+    placement((cold, nbytes, codec, num_tokens, file_id, offset), limits)
     if not (
         isinstance(key, bytes)
         and len(key) == KEY_BYTES
