@@ -1,4 +1,4 @@
-"""Issue 34: the index's tables described once. The sessions and documents tables a store creates
+"""Issue 34: the index's tables described once. The sessions, documents and blocks tables a store creates
 are exactly the row dataclasses' fields (names, order, SQL types), and a listing's summary columns
 are exactly what ``SessionInfo`` holds."""
 
@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata import KVStore
-from kvstrata.store.index import documents, session_rows
+from kvstrata.store.index import block_rows, documents, session_rows
+from kvstrata.store.index.block_values import BlockRow
 from kvstrata.store.index.documents import DocumentRow
 from kvstrata.store.index.session_rows import COMPUTED_SUMMARY, TABLE, SessionRow
 from kvstrata.store.sessions import SessionInfo
@@ -31,6 +32,9 @@ def test_the_tables_a_store_creates_are_the_row_dataclasses(open_store: Factory,
     assert [sql for _, sql in sessions] == [c.sql.split()[0] for c in TABLE.columns]
     docs = _stored(tmp_path / "store", documents.TABLE)
     assert [name for name, _ in docs] == [*(f.name for f in dataclasses.fields(DocumentRow)), "crc"]
+    blocks = _stored(tmp_path / "store", "blocks")
+    assert [name for name, _ in blocks] == list(block_rows.TABLE.names)
+    assert [f.name for f in dataclasses.fields(BlockRow)][-1] == "offset" and blocks[-1][0] == "seg_offset"
 
 
 def test_the_summary_is_what_a_listing_shows() -> None:

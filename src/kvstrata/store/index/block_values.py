@@ -12,24 +12,28 @@ from typing import Any, NamedTuple
 from kvstrata.codecs.base import CodecId
 from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import KEY_BYTES, BlockKey
+from kvstrata.store.index.schema import column
 
 
 @dataclass(slots=True)
 class BlockRow:
-    key: BlockKey
-    cold: bool
-    num_tokens: int
-    start_pos: int
-    codec: int
-    nbytes: int
-    created: float
-    last_access: float
-    access_count: int
-    namespace: str | None = None
-    file_id: str = ""
+    """One row of the ``blocks`` table; its fields are the table's columns, in order (the table,
+    its statements and its migration are derived from them: :mod:`.block_rows`)."""
+
+    key: BlockKey = column("BLOB NOT NULL")  # noqa: RUF009 (a field with metadata, not a default)
+    cold: bool = column("INTEGER NOT NULL DEFAULT 0")
+    num_tokens: int = column("INTEGER NOT NULL")
+    start_pos: int = column("INTEGER NOT NULL")
+    codec: int = column("INTEGER NOT NULL")
+    nbytes: int = column("INTEGER NOT NULL")
+    created: float = column("REAL NOT NULL")
+    last_access: float = column("REAL NOT NULL")
+    access_count: int = column("INTEGER NOT NULL DEFAULT 0")
+    namespace: str | None = column("TEXT", added="NULL", default=None)
+    file_id: str = column("TEXT NOT NULL DEFAULT ''", added="''", default="")
     """The segment holding the record (``offset`` set), or this write's own block file
     (``<key>.<file_id>.kvbin``, ``offset`` None; '' for files written before format 2)."""
-    offset: int | None = None
+    offset: int | None = column("INTEGER", added="NULL", name="seg_offset", default=None)
     """Where the record starts in its segment; None for a block file of its own."""
 
 

@@ -18,13 +18,17 @@ from typing import Any
 _SQL = "kvstrata.sql"
 _ADDED = "kvstrata.added"
 _SUMMARY = "kvstrata.summary"
+_NAME = "kvstrata.column"
 
 
-def column(sql: str, *, added: str | None = None, summary: bool = True, **field_args: Any) -> Any:
+def column(
+    sql: str, *, added: str | None = None, summary: bool = True, name: str | None = None, **field_args: Any
+) -> Any:
     """A dataclass field that is a column of type ``sql``. ``added``: for a column added after a
     table's first format, the SQL value a row not migrated yet reads as. ``summary``: whether a
-    listing (which skips blobs) reads it."""
-    metadata = {_SQL: sql, _ADDED: added, _SUMMARY: summary}
+    listing (which skips blobs) reads it. ``name``: the column's name where it is not the
+    field's."""
+    metadata = {_SQL: sql, _ADDED: added, _SUMMARY: summary, _NAME: name}
     return dataclasses.field(metadata=metadata, **field_args)
 
 
@@ -40,7 +44,7 @@ class Column:
 def columns_of(row_type: type) -> tuple[Column, ...]:
     """The columns a row dataclass declares with :func:`column`, in field order."""
     return tuple(
-        Column(f.name, f.metadata[_SQL], f.metadata[_ADDED], f.metadata[_SUMMARY])
+        Column(f.metadata[_NAME] or f.name, f.metadata[_SQL], f.metadata[_ADDED], f.metadata[_SUMMARY])
         for f in dataclasses.fields(row_type)
     )
 
