@@ -27,16 +27,24 @@ EXAMPLES = 12
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastAPI]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     root: Path = tmp_path_factory.mktemp("fuzz")
     model = tiny_model(root)
     with open_store(model, root / "store") as store:
-        engine = Engine(model, store)
-        config = ServerConfig(
-            model_name=MODEL_NAME, max_prompt_tokens=1500, max_tokens_limit=4, default_max_tokens=2
-        )
-        yield create_app(engine, config)
-        engine.close()
+        yield model, store
+
+
+@pytest.fixture
+def app(served: tuple[Any, Any]) -> Iterator[FastAPI]:
+    # An engine per test: the app's lifespan (a `with TestClient`, schemathesis' calls) drains and
+    # closes its engine when it ends, as `kvstrata serve` does on a stop; the store is shared.
+    model, store = served
+    engine = Engine(model, store)
+    config = ServerConfig(
+        model_name=MODEL_NAME, max_prompt_tokens=1500, max_tokens_limit=4, default_max_tokens=2
+    )
+    yield create_app(engine, config)
+    engine.close()
 
 
 def test_no_schema_input_gets_a_server_error(app: FastAPI) -> None:
