@@ -11,7 +11,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from kvstrata import GcConfig, KVStore, StoreConfig
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.store.lifecycle import collect_garbage
 
 from conftest import LAYOUT, token_kv
 
@@ -30,7 +29,7 @@ def main(root: str, seed: int) -> None:
         store.checkpoint(session)
         store.truncate(session, rng.randint(1, len(tokens) // 2))
         store.checkpoint(session)
-        collect_garbage(store, gc)
+        store.maintenance.collect_garbage(gc)
         n += 1
 
 

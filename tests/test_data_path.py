@@ -26,7 +26,6 @@ from kvstrata.keys import BlockKey
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.store.index import BlockRow
 from kvstrata.store.index.block_rows import Placement
-from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.store.tiers.disk import batch as disk_batch
 
@@ -251,7 +250,7 @@ def test_kill9_during_eviction_leaves_no_dangling_row_and_gc_no_orphan(tmp_path:
                 n = loaded.num_tokens
                 if n:
                     assert torch.equal(loaded.kv, token_kv(LAYOUT, store.session(info.id).token_ids[:n]))  # type: ignore[arg-type]
-            collect_garbage(store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
+            store.maintenance.collect_garbage(GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
             on_disk, indexed = files_and_index(store)
             assert on_disk == indexed, f"trial {trial}"
 
@@ -273,7 +272,7 @@ def test_namespace_quotas_keep_a_flood_from_pushing_out_another_tenant(open_stor
     quiet_keys = store.session("q", "quiet").block_keys
     for i in range(6):
         _fill(store, f"f{i}", 10_000 + 1000 * i, 4, namespace="flood")
-        store.wait_demotions()
+        store.blocks.wait_demotions()
     l1, l2 = store.tiered.tier(TierLevel.L1), store.tiered.tier(TierLevel.L2)
     assert all(l1.contains(k) for k in quiet_keys)  # still resident in device memory
     assert all(store.disk.contains(k) for k in quiet_keys)

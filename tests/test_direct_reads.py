@@ -102,7 +102,7 @@ def test_a_damaged_record_read_direct_costs_only_its_own_block(
     damaged = store.load(store.session("s"))
     assert plans[0].direct
     assert damaged.missing_from_token == 3 * LAYOUT.block_tokens
-    assert store.counters.corrupt_blocks == 1 and not store.contains(keys[3])
+    assert store.counters.corrupt_blocks == 1 and not store.blocks.contains(keys[3])
 
 
 def test_large_exact_restores_and_stores_without_direct_reads_go_through_the_page_cache(

@@ -18,7 +18,6 @@ from kvstrata.config import GcConfig
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError
 from kvstrata.store import archive
 from kvstrata.store.index.documents import DocumentRow
-from kvstrata.store.lifecycle import collect_garbage
 
 from conftest import LAYOUT, token_kv
 
@@ -91,7 +90,7 @@ def test_delete_ttl_and_gc_take_documents_with_the_session(open_store: Factory) 
     assert store.documents.get("a", "chat") is None
     _session(store, "a")  # a new session of the same id starts with no documents
     assert store.documents.names("a") == []
-    collect_garbage(store, GcConfig(grace_s=0.0), now=time.time() + 5)  # past short's TTL
+    store.maintenance.collect_garbage(GcConfig(grace_s=0.0), now=time.time() + 5)  # past short's TTL
     assert store.documents.get("short", "chat") is None
     assert store.documents.get("keep", "chat") == b"keep's"
     assert store.index.documents.count() == 1
@@ -103,7 +102,7 @@ def test_gc_sweeps_documents_whose_session_row_is_gone(open_store: Factory) -> N
     store.documents.put("a", "chat", b"x")
     with store.index.transaction() as db:  # what a build without documents leaves when it deletes
         db.execute("DELETE FROM sessions WHERE id = 'a'")
-    collect_garbage(store, GcConfig(grace_s=0.0))
+    store.maintenance.collect_garbage(GcConfig(grace_s=0.0))
     assert store.index.documents.count() == 0
 
 
@@ -112,10 +111,10 @@ def test_export_import_carries_documents(open_store: Factory, tmp_path: Path) ->
     _session(store, "a")
     store.documents.put("a", "chat", "ünïcode transcript".encode())
     store.documents.put("a", "response:r1", b"\x00\xffbinary")
-    data = archive.export_session(store, store.session("a"))
+    data = store.archives.export_session(store.session("a"))
     assert archive.read_archive(data).documents[0].name == "chat"
     other = open_store(tmp_path / "other")
-    archive.import_session(other, data, new_id="b", namespace="t2")
+    other.archives.import_session(data, new_id="b", namespace="t2")
     assert other.documents.get("b", "chat", namespace="t2") == "ünïcode transcript".encode()
     assert other.documents.names("b", namespace="t2") == ["chat", "response:r1"]
     damaged = bytearray(data)

@@ -22,7 +22,6 @@ import kvstrata
 from kvstrata import KVStore, StoreConfig
 from kvstrata.integrations.transformers.model import save_tiny_llama
 from kvstrata.server.audit import AuditLog, read_audit
-from kvstrata.store import archive
 
 KEY = bytes(range(32))
 SECRET = "My bank password is zebra-horse-42"
@@ -86,7 +85,7 @@ def chat_and_collect(env: dict[str, str], store: Path, tmp_path: Path, key: byte
         session = opened.session("a")
         token_ids = list(session.token_ids)
         exported = tmp_path / "a.kvsarc"
-        exported.write_bytes(archive.export_session(opened, session))
+        exported.write_bytes(opened.archives.export_session(session))
     audit = AuditLog(tmp_path / "audit.jsonl", key=key)
     audit.record("export", tenant="default", client="127.0.0.1:1", session="a", note=SECRET)
     audit.close()

@@ -340,7 +340,7 @@ def test_sessions_beyond_the_l1_residency_limit_are_demoted(tiny: LoadedModel, o
     # no shared system prompt: each session's blocks are its own
     first = engine.chat("a", [{"role": "user", "content": "Alpha " * 40}], max_new_tokens=4)
     engine.chat("b", [{"role": "user", "content": "Bravo " * 40}], max_new_tokens=4)
-    store.wait_demotions()
+    store.blocks.wait_demotions()
     a_keys = store.session("a").block_keys
     assert a_keys and not any(store.tiered.tier(TierLevel.L1).contains(k) for k in a_keys)
     assert all(store.tiered.tier(TierLevel.L2).contains(k) for k in a_keys)
@@ -363,7 +363,7 @@ def test_background_sessions_leave_l1_before_interactive_ones(tiny: LoadedModel,
     engine = Engine(tiny, store, l1_resident_sessions=1)
     engine.chat("a", [{"role": "user", "content": "Alpha " * 40}], max_new_tokens=4)
     engine.chat("b", [{"role": "user", "content": "Bravo " * 40}], max_new_tokens=4, priority="background")
-    store.wait_demotions()
+    store.blocks.wait_demotions()
     # b was served last, but it is background: it leaves L1, the interactive a stays
     assert all(store.tiered.tier(TierLevel.L1).contains(k) for k in store.session("a").block_keys)
     b_keys = store.session("b").block_keys
@@ -395,7 +395,7 @@ def test_importance_is_collected_per_block_without_changing_output(
     store = open_store("tracked")
     tracked = Engine(tiny, store, track_importance=True).chat("s", turn1(), max_new_tokens=6)
     assert tracked.token_ids == plain.token_ids
-    scores = [store.importance(k) for k in store.session("s").all_keys()]
+    scores = [store.blocks.importance(k) for k in store.session("s").all_keys()]
     assert all(s > 0 for s in scores) and abs(sum(scores) - 1.0) < 1e-6  # shares of the attention mass
 
 

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata import GcConfig, KVStore
-from kvstrata.store.lifecycle import collect_garbage
 
 from conftest import LAYOUT, make_block, token_kv
 from stored import live_records, record_files
@@ -41,10 +40,12 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
     orphan = root / "hot" / "zz" / ("ab" * 32 + ".kvbin")
     orphan.write_bytes(b"never committed")
 
-    kept = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3600)
+    kept = store.maintenance.collect_garbage(
+        GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3600
+    )
     assert kept.blocks_deleted == 0  # unreferenced, but used within the day: a cache's blocks stay
     config = GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY, unreferenced_after_s=1800)
-    report = collect_garbage(store, config, now=now + 3600)
+    report = store.maintenance.collect_garbage(config, now=now + 3600)
     # "ttl" idle for an hour > 60 s; "pinned" survives its TTL
     assert kept.sessions_deleted == 1 and report.sessions_deleted == 0
     assert [s.id for s in store.list_sessions()] == ["keep", "pinned"]
@@ -52,7 +53,9 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
     assert kept.orphan_files_removed == 1 and not orphan.exists()
     assert report.blocks_moved_cold == 0
 
-    report = collect_garbage(store, GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3 * DAY)
+    report = store.maintenance.collect_garbage(
+        GcConfig(cold_after_s=2 * DAY, retention_s=30 * DAY), now=now + 3 * DAY
+    )
     assert report.blocks_moved_cold == 4 and len(_stored(store, "cold")) == 4 and not _stored(store, "hot")
     assert not record_files(root, "hot") and not record_files(root, "segments")  # emptied segments went
     store.close()
@@ -60,5 +63,5 @@ def test_gc_expires_sessions_deletes_unreferenced_and_ages_blocks(
     loaded = reopened.load(reopened.session("keep"))
     assert loaded.num_tokens == 6 and loaded.missing_from_token is None
 
-    report = collect_garbage(reopened, GcConfig(retention_s=30 * DAY), now=now + 31 * DAY)
+    report = reopened.maintenance.collect_garbage(GcConfig(retention_s=30 * DAY), now=now + 31 * DAY)
     assert report.sessions_deleted == 1 and [s.id for s in reopened.list_sessions()] == ["pinned"]

@@ -12,7 +12,6 @@ import torch
 from kvstrata import ConfigError, GcConfig, KVLayout, KVStore, Priority
 from kvstrata.codecs import CodecId
 from kvstrata.policy.ladder import CodecLadder, Rung
-from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.tiers.base import TierLevel
 
 from conftest import token_kv
@@ -143,7 +142,7 @@ def test_gc_archives_idle_blocks_to_the_archive_codec(open_store: Factory, tmp_p
         store.append(session, tokens, token_kv(LAYOUT16, tokens))
         store.checkpoint(session)
     store.flush()
-    report = collect_garbage(store, GcConfig(cold_after_s=60), now=time.time() + 3600)
+    report = store.maintenance.collect_garbage(GcConfig(cold_after_s=60), now=time.time() + 3600)
     assert report.blocks_moved_cold == 4
     assert report.blocks_archived == 2  # the background session's blocks; realtime ones stay exact
     assert _l3_codecs(store, sessions["background"].block_keys) == ["kivi2", "kivi2"]

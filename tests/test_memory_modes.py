@@ -17,7 +17,6 @@ from kvstrata.integrations.transformers.model import LoadedModel, load_model, sa
 from kvstrata.keys import LINEAGE_BYTES, root_key, session_chain
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
-from kvstrata.store.archive import export_session, import_session
 
 BT = 16
 TEXT = (
@@ -170,14 +169,14 @@ def test_pruned_lineage_survives_reopen_fork_and_archive(tiny: LoadedModel, tmp_
         second = engine.complete("a", prompt2, max_new_tokens=1, priority="background")
         assert second.attended_tokens is not None
         before = store.session("a")
-        archive = export_session(store, before)
+        archive = store.archives.export_session(before)
     with KVStore(root, model_fingerprint=tiny.fingerprint, config=config) as store:
         again = store.session("a")
         assert (again.lineage, again.lineage_from) == (before.lineage, before.lineage_from)
         assert again.block_keys == before.block_keys and again.tail_key == before.tail_key
         child = store.fork(again, "a-child")
         assert child.lineage == again.lineage
-        imported = import_session(store, archive, new_id="a-copy")  # verifies the pruned key chain
+        imported = store.archives.import_session(archive, new_id="a-copy")  # verifies the pruned key chain
         assert imported.lineage == before.lineage and imported.block_keys == before.block_keys
         # the third turn resumes from L3 through the kept blocks only, chaining the lineage on
         engine = Engine(tiny, store, memory_modes={Priority.BACKGROUND: mode})
@@ -199,7 +198,7 @@ def test_importance_mode_keeps_the_most_attended_blocks(tiny: LoadedModel, store
     engine = Engine(tiny, store, memory_modes={"background": mode}, track_importance=True)
     engine.complete("a", TEXT * 3, max_new_tokens=1, priority="background")
     session = store.session("a")
-    scores = [store.importance(key) for key in session.block_keys]
+    scores = [store.blocks.importance(key) for key in session.block_keys]
     assert sum(scores) > 0
     kept = mode.keep(len(session.block_keys), BT, scores)
     assert kept is not None

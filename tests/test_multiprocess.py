@@ -15,7 +15,6 @@ import torch
 
 from kvstrata import GcConfig, KVStore, SessionBusyError, StoreConfig
 from kvstrata.policy.ladder import CodecLadder
-from kvstrata.store.lifecycle import collect_garbage
 
 from conftest import LAYOUT, token_kv
 from stored import files_and_index
@@ -154,7 +153,7 @@ def test_many_writers_with_kill9_and_gc_beside_them_lose_nothing_checkpointed(tm
         with _store(root) as gc_store:
             while not stop_gc.is_set():
                 try:
-                    collect_garbage(gc_store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
+                    gc_store.maintenance.collect_garbage(GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
                 except BaseException as exc:
                     gc_errors.append(exc)
                     return
@@ -193,7 +192,7 @@ def test_many_writers_with_kill9_and_gc_beside_them_lose_nothing_checkpointed(tm
     assert len(checkpointed) > 4 * 5
 
     with _store(root) as store:
-        report = collect_garbage(store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
+        report = store.maintenance.collect_garbage(GcConfig(grace_s=0.0, unreferenced_after_s=0.0))
         assert report.sessions_deleted == 0
         for sid, tokens in checkpointed.items():
             session = store.session(sid)

@@ -89,7 +89,7 @@ def test_a_damaged_int8_record_read_by_the_loop_costs_its_own_block(
     flip_byte(store, keys[3], at=HEADER_BYTES + 40)  # in the codes
     damaged = store.load(store.session("s"))
     assert damaged.missing_from_token == 3 * LAYOUT.block_tokens
-    assert store.counters.corrupt_blocks == 1 and not store.contains(keys[3])
+    assert store.counters.corrupt_blocks == 1 and not store.blocks.contains(keys[3])
 
 
 def test_a_small_restore_asks_the_kernel_for_its_bytes_first(

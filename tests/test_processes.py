@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata import GcConfig, KVStore
-from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.processes import PROCS_DIR, ProcessRegistry
 
 Factory = Callable[..., KVStore]
@@ -83,7 +82,7 @@ def test_200_kill9s_leave_only_live_processes_files(open_store: Factory, tmp_pat
         pid, token = live.pop()
         _kill(pid)  # one more dies while the store is open: gc sweeps it
         assert token in _lock_files(root)
-        collect_garbage(store, GcConfig(grace_s=0.0))
+        store.maintenance.collect_garbage(GcConfig(grace_s=0.0))
         assert _lock_files(root) == {store.processes.token, *(t for _, t in live)}
         store.close()
         assert _lock_files(root) == {t for _, t in live}  # a clean close removes its own

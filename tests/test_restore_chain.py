@@ -14,7 +14,7 @@ import torch
 from kvstrata import KVStore
 from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
-from kvstrata.store.placement.tiered import RestoreReport
+from kvstrata.store.placement.reads import RestoreReport
 from kvstrata.store.tiers.base import TierLevel
 from kvstrata.transfer import DeviceCopier
 
@@ -59,7 +59,7 @@ def _per_block(store: KVStore, keys: list[BlockKey]) -> torch.Tensor:
     max_loss = store.config.ladder.max_loss_rank(prio)
     buffer = torch.empty(LAYOUT.block_shape(len(keys) * BT), dtype=LAYOUT.torch_dtype)
     copier = DeviceCopier(buffer.device)
-    report = RestoreReport(tiered.memory, tiered.miss_levels, buffer, prio)
+    report = RestoreReport(tiered.memory, tiered.reads.miss_levels, buffer, prio)
     with tiered.stats.hold(keys):
         for i, key in enumerate(keys):
             room = buffer[:, :, :, i * BT : (i + 1) * BT]

@@ -24,7 +24,6 @@ from kvstrata import GcConfig, KVStore
 from kvstrata.cli.main import app
 from kvstrata.store.index.block_rows import BlockTable
 from kvstrata.store.index.db import INDEX_FORMAT_VERSION
-from kvstrata.store.lifecycle import collect_garbage
 from kvstrata.store.sessions import Session
 from kvstrata.store.tiers.base import TierLevel
 
@@ -141,8 +140,8 @@ def test_a_damaged_record_costs_only_its_own_block(open_store: Factory, tmp_path
     assert reopened.counters.corrupt_blocks == 1
     (quarantined,) = (tmp_path / "store" / "quarantine").iterdir()
     assert quarantined.name.startswith(keys[3].hex())  # the record was copied aside, the segment stays
-    assert segment.exists() and not reopened.contains(keys[3])
-    assert all(reopened.contains(k) for i, k in enumerate(keys) if i != 3)
+    assert segment.exists() and not reopened.blocks.contains(keys[3])
+    assert all(reopened.blocks.contains(k) for i, k in enumerate(keys) if i != 3)
 
 
 def test_holes_are_counted_and_compaction_gives_them_back(open_store: Factory) -> None:
@@ -156,13 +155,13 @@ def test_holes_are_counted_and_compaction_gives_them_back(open_store: Factory) -
     store.truncate(both, 2 * LAYOUT.block_tokens)  # 6 of its 8 blocks no longer named
     store.checkpoint(both)
     store.delete_session("gone")
-    collect_garbage(store, NO_GRACE)
+    store.maintenance.collect_garbage(NO_GRACE)
     l3 = store.stats().tiers[-1]
     assert l3.tier == "L3" and l3.fragmentation_bytes == 6 * store.disk.block_bytes(both.block_keys[0])
     segment = record_file(store, both.block_keys[0])
 
-    report = collect_garbage(
-        store, GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5)
+    report = store.maintenance.collect_garbage(
+        GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5)
     )
     assert report.segments_compacted == 1 and report.compacted_bytes > 0
     assert segment is not None and not segment.exists()  # the old segment went with its last row
@@ -177,7 +176,7 @@ def test_compaction_crash_before_the_commit_leaves_an_orphan_gc_removes(
 ) -> None:
     store = _disk_only(open_store)
     _, tokens = _cut_short(store, keep_blocks=2)
-    collect_garbage(store, NO_GRACE)
+    store.maintenance.collect_garbage(NO_GRACE)
     before = record_files(store.root, "segments")
 
     def crash(self: BlockTable, moves: object) -> list[object]:
@@ -192,7 +191,7 @@ def test_compaction_crash_before_the_commit_leaves_an_orphan_gc_removes(
     store.close()  # the process "died": its writes in flight are no longer protected
     store = _disk_only(open_store)
     assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
-    collect_garbage(store, NO_GRACE)
+    store.maintenance.collect_garbage(NO_GRACE)
     assert record_files(store.root, "segments") == before
     on_disk, indexed = files_and_index(store)
     assert on_disk == indexed
@@ -203,7 +202,7 @@ def test_compaction_crash_after_the_commit_leaves_the_old_segment_to_gc(
 ) -> None:
     store = _disk_only(open_store)
     session, tokens = _cut_short(store, keep_blocks=2)
-    collect_garbage(store, NO_GRACE)
+    store.maintenance.collect_garbage(NO_GRACE)
     old = record_file(store, session.block_keys[0])
     real = BlockTable.segment_refs
     monkeypatch.setattr(BlockTable, "segment_refs", lambda self, segment_id: 1)  # "crash" before the unlink
@@ -214,7 +213,7 @@ def test_compaction_crash_after_the_commit_leaves_the_old_segment_to_gc(
     assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
     store.close()  # the process "died"
     store = _disk_only(open_store)
-    collect_garbage(store, NO_GRACE)
+    store.maintenance.collect_garbage(NO_GRACE)
     assert not old.exists()
     assert _whole(store, "s", tokens[: 2 * LAYOUT.block_tokens])
     on_disk, indexed = files_and_index(store)
@@ -229,7 +228,9 @@ def test_a_reader_whose_segment_was_compacted_away_reads_the_new_one(
     assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # placements now cached here
     old = record_file(reader, session.block_keys[0])
     other = _disk_only(open_store, tmp_path / "store")  # a second handle: another process's view
-    collect_garbage(other, GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5))
+    other.maintenance.collect_garbage(
+        GcConfig(grace_s=0.0, unreferenced_after_s=0.0, compact_hole_fraction=0.5)
+    )
     assert old is not None and not old.exists()
     assert _whole(reader, "s", tokens[: 3 * LAYOUT.block_tokens])  # asked the index again
     assert not reader.disk.records.lost and reader.counters.corrupt_blocks == 0
@@ -288,7 +289,7 @@ def test_kill9_during_compaction_loses_nothing_and_gc_leaves_no_orphan(tmp_path:
                 assert loaded.missing_from_token is None, f"trial {trial}: {info.id}"
                 assert torch.equal(loaded.kv, token_kv(LAYOUT, session.token_ids)), f"trial {trial}"  # type: ignore[arg-type]
             assert store.counters.corrupt_blocks == 0 and not store.disk.records.lost
-            collect_garbage(store, NO_GRACE)
+            store.maintenance.collect_garbage(NO_GRACE)
             on_disk, indexed = files_and_index(store)
             assert on_disk == indexed, f"trial {trial}"
 

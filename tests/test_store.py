@@ -231,7 +231,7 @@ def test_blocks_in_use_are_not_demoted(open_store: Factory) -> None:
     store = open_store(l1_budget_bytes=2 * BLOCK, l2_budget_bytes=0)
     first = make_block(LAYOUT, 1)
     store.tiered.put(first)
-    with store.hold([first.key]):
+    with store.blocks.hold([first.key]):
         view = store.tiered.get(first.key)
         for seed in range(2, 8):
             store.tiered.put(make_block(LAYOUT, seed))
@@ -248,7 +248,7 @@ def test_corrupt_file_is_quarantined_and_treated_as_missing(open_store: Factory,
     assert store.tiered.get(block.key) is None
     assert store.counters.corrupt_blocks == 1
     assert not path.exists() and len(list((tmp_path / "store" / "quarantine").iterdir())) == 1
-    assert not store.contains(block.key)
+    assert not store.blocks.contains(block.key)
     assert store.stats().corrupt_blocks == 1
 
 
@@ -377,7 +377,7 @@ def test_watermark_demotion_runs_in_the_background_down_to_the_low_mark(open_sto
     with store.tiered.memory._lock:
         for block in blocks:
             store.tiered.put(block)
-    store.wait_demotions()
+    store.blocks.wait_demotions()
     l1 = store.tiered.tier(TierLevel.L1)
     assert l1.usage().used_bytes <= 0.25 * l1.budget_bytes
     assert store.counters.tiers[TierLevel.L1].demotions == 12 - 5
@@ -422,15 +422,15 @@ def test_idle_timers_demote_blocks_tier_by_tier(open_store: Factory) -> None:
     )
     block = make_block(LAYOUT, 1)
     store.tiered.put(block)
-    assert store.where(block.key) is TierLevel.L1
+    assert store.blocks.where(block.key) is TierLevel.L1
     deadline = time.monotonic() + 5
-    while store.where(block.key) is TierLevel.L1 and time.monotonic() < deadline:
+    while store.blocks.where(block.key) is TierLevel.L1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert store.where(block.key) is TierLevel.L2  # idle 0.2 s: out of device memory
+    assert store.blocks.where(block.key) is TierLevel.L2  # idle 0.2 s: out of device memory
     while store.tiered.tier(TierLevel.L2).contains(block.key) and time.monotonic() < deadline:
         time.sleep(0.05)
     store.flush()
-    assert store.where(block.key) is TierLevel.L3  # idle 0.6 s: out of host memory
+    assert store.blocks.where(block.key) is TierLevel.L3  # idle 0.6 s: out of host memory
     assert torch.equal(store.tiered.get(block.key).decoded(LAYOUT), block.tensor)  # type: ignore[union-attr,arg-type]
 
 
@@ -438,11 +438,11 @@ def test_dwell_time_keeps_hinted_reads_from_repromoting(open_store: Factory) -> 
     store = open_store(l1_budget_bytes=8 * BLOCK, l2_budget_bytes=1 << 20, min_dwell_s=30.0)
     block = make_block(LAYOUT, 2)
     store.tiered.put(block)
-    store.demote_from_l1([block.key])
-    store.wait_demotions()
-    assert store.where(block.key) is TierLevel.L2
+    store.blocks.demote_from_l1([block.key])
+    store.blocks.wait_demotions()
+    assert store.blocks.where(block.key) is TierLevel.L2
     found = store.tiered.lookup(block.key, scheduled=False)  # a hint: served, not promoted
     assert found is not None and found[1] is TierLevel.L2
-    assert store.where(block.key) is TierLevel.L2
+    assert store.blocks.where(block.key) is TierLevel.L2
     found = store.tiered.lookup(block.key)  # the agent runs: promoted despite the dwell time
-    assert found is not None and store.where(block.key) is TierLevel.L1
+    assert found is not None and store.blocks.where(block.key) is TierLevel.L1

@@ -132,7 +132,7 @@ def indexed(root: Path, keys: list[bytes]) -> list[bool]:
 
     config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)
     with KVStore(store_path(root), read_only=True, config=config) as store:
-        return [store.contains(key) for key in keys]  # type: ignore[arg-type]
+        return [store.blocks.contains(key) for key in keys]  # type: ignore[arg-type]
 
 
 def wait_indexed(root: Path, keys: list[bytes], timeout: float = 60) -> None:

@@ -176,7 +176,7 @@ def test_scheduler_side_keys_namespaces_priorities_and_skips(tmp_path: Path) -> 
     tokens = list(range(3, 15))  # 12 tokens: 3 full blocks
     with KVStore(tmp_path, layout, model_fingerprint=b"w", config=cfg.store) as store:
         for i, key in enumerate(store.block_key_chain("default", tokens)):
-            store.put_block(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
+            store.blocks.put(KVBlock(key, 4, 4 * i, torch.randn(layout.block_shape())), namespace="default")
         side = SchedulerSide(cfg, store)
         # every full block but the one holding the last token, loaded asynchronously
         assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (8, True)
@@ -210,7 +210,7 @@ def test_a_block_counts_only_when_every_tensor_parallel_rank_holds_its_shard(tmp
         keys = store.block_key_chain("default", tokens)
 
         def put(key: bytes, pos: int) -> None:
-            store.put_block(KVBlock(key, 4, pos, torch.randn(layout.block_shape())), namespace="default")  # type: ignore[arg-type]
+            store.blocks.put(KVBlock(key, 4, pos, torch.randn(layout.block_shape())), namespace="default")  # type: ignore[arg-type]
 
         tp2, tp1 = SchedulerSide(cfg, store, tp_size=2), SchedulerSide(cfg, store, tp_size=1)
         for i, key in enumerate(keys):

@@ -172,7 +172,7 @@ def test_stored_blocks_are_the_models_keys_and_values(first, models: Models, pro
     config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)
     with KVStore(store_path(root), read_only=True, config=config) as store:
         assert store.layout == KVLayout(**LAYOUT_ARGS)  # type: ignore[arg-type]
-        block = store.get_block(block_keys(models.a, prompts.p1)[0])  # type: ignore[arg-type]
+        block = store.blocks.get(block_keys(models.a, prompts.p1)[0])  # type: ignore[arg-type]
         assert block is not None
         stored = block.decoded(store.layout)
     torch.testing.assert_close(stored, expected, atol=2e-4, rtol=1e-3)

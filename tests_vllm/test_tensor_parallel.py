@@ -82,9 +82,9 @@ def test_shards_are_keyed_by_rank_and_hold_that_ranks_kv_heads(
     config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)
     with KVStore(store_path(tp_run["root"]), read_only=True, config=config) as store:
         assert store.layout.num_kv_heads == 1  # one rank's share of the model's two KV heads
-        assert not store.contains(key)  # nothing under the base key itself: only rank shards
+        assert not store.blocks.contains(key)  # nothing under the base key itself: only rank shards
         for rank in (0, 1):
-            block = store.get_block(rank_key(key, rank, 2))
+            block = store.blocks.get(rank_key(key, rank, 2))
             assert block is not None
             torch.testing.assert_close(
                 block.decoded(store.layout), full[:, :, rank : rank + 1], atol=2e-4, rtol=1e-3

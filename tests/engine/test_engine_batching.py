@@ -93,10 +93,10 @@ def check_batch_equals_alone(
     engine = Engine(model, store, budget=budget)
     engine.hint(["a", "b"])
     assert engine._prefetcher.wait_idle(30)
-    store.demote_from_l1(store.session("b").all_keys())
-    store.wait_demotions()
+    store.blocks.demote_from_l1(store.session("b").all_keys())
+    store.blocks.wait_demotions()
     for name, tier in (("a", TierLevel.L1), ("b", TierLevel.L2), ("c", TierLevel.L3)):
-        assert {store.where(k) for k in store.session(name).all_keys()} == {tier}, name
+        assert {store.blocks.where(k) for k in store.session(name).all_keys()} == {tier}, name
 
     priorities = {
         "a": "realtime",

@@ -94,7 +94,7 @@ def test_checkpointed_kv_resumes_exactly(tiny: LoadedModel, tmp_path: Path) -> N
         )
     )
     assert follow.token_ids == again.token_ids
-    assert store.checkpoints >= (30 + 150) // EVERY
+    assert store.io.checkpoints >= (30 + 150) // EVERY
     for e in (engine, scratch):
         e.close()
     store.close()

@@ -83,9 +83,9 @@ def test_hibernate_checkpoints_and_leaves_device_memory(server: LiveServer) -> N
     with server.http() as http:
         body = http.post("/v1/sessions/h1/hibernate").json()
     assert body["blocks"] == len(session.all_keys()) and body["num_tokens"] == session.num_tokens
-    server.store.wait_demotions()
+    server.store.blocks.wait_demotions()
     assert all(server.store.disk.contains(k) for k in session.all_keys())
-    assert all(server.store.where(k) is not TierLevel.L1 for k in session.all_keys())
+    assert all(server.store.blocks.where(k) is not TierLevel.L1 for k in session.all_keys())
     again = chat(server.client(), MESSAGES, "h1")
     assert cached(again) == again.usage.prompt_tokens - 1
     assert again.model_extra["kvstrata"]["cached_by_tier"]["L1"] == 0

@@ -29,7 +29,7 @@ def exported(
         Engine(model, store).chat("s", MESSAGES, max_new_tokens=5)
         session = store.session("s")
         assert session.tail_key is not None  # the archive holds a partial block too
-        return archive.export_session(store, session), list(session.token_ids), store.load(session).kv
+        return store.archives.export_session(session), list(session.token_ids), store.load(session).kv
 
 
 def blocks_on_disk(store: KVStore) -> int:
@@ -42,7 +42,7 @@ def test_import_restores_tokens_and_kv(model: LoadedModel, exported: tuple, tmp_
     header, blocks = parsed.header, parsed.blocks
     assert (header.session_id, header.namespace, header.num_tokens) == ("s", "default", len(tokens))
     with open_store(model, tmp_path) as store:
-        session = archive.import_session(store, data)
+        session = store.archives.import_session(data)
         assert session.token_ids == tokens
         assert len(session.all_keys()) == len(blocks)
         assert torch.equal(store.load(session).kv, kv)
@@ -57,11 +57,11 @@ def test_import_into_another_namespace_rekeys_blocks(
 ) -> None:
     data, tokens, kv = exported
     with open_store(model, tmp_path) as store:
-        session = archive.import_session(store, data, new_id="copy", namespace="tenant-b")
+        session = store.archives.import_session(data, new_id="copy", namespace="tenant-b")
         assert session.block_keys == store.block_key_chain("tenant-b", tokens)
         assert torch.equal(store.load(session).kv, kv)
         with pytest.raises(SessionExistsError):
-            archive.import_session(store, data, new_id="copy", namespace="tenant-b")
+            store.archives.import_session(data, new_id="copy", namespace="tenant-b")
 
 
 @pytest.mark.parametrize("where", [0, 9, 40, 0.3, 0.5, 0.8, -5, -1])
@@ -76,7 +76,7 @@ def test_any_damaged_byte_is_refused_and_nothing_written(
     data[pos] ^= 0x40
     with open_store(model, tmp_path) as store:
         with pytest.raises(CorruptBlockError):
-            archive.import_session(store, bytes(data))
+            store.archives.import_session(bytes(data))
         assert store.list_sessions() == [] and blocks_on_disk(store) == 0
 
 
@@ -84,5 +84,5 @@ def test_truncated_archive_is_refused(model: LoadedModel, exported: tuple, tmp_p
     with open_store(model, tmp_path) as store:
         for size in (0, 10, len(exported[0]) // 2, len(exported[0]) - 1):
             with pytest.raises(CorruptBlockError):
-                archive.import_session(store, exported[0][:size])
+                store.archives.import_session(exported[0][:size])
         assert store.list_sessions() == []

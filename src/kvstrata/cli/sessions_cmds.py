@@ -120,7 +120,7 @@ def show(
             {
                 "key": key.hex(),
                 "tail": key == session.tail_key,
-                "tier": (lvl.name if (lvl := kv.where(key)) else "lost"),
+                "tier": (lvl.name if (lvl := kv.blocks.where(key)) else "lost"),
             }
             for key in session.all_keys()
         ]

@@ -11,7 +11,6 @@ from kvstrata.cli.common import JsonOption, LayoutOption, StoreOption, console, 
 from kvstrata.cli.stores import one_store, open_store
 from kvstrata.config import DAY_S, GcConfig
 from kvstrata.errors import KVStrataError
-from kvstrata.store.lifecycle import collect_garbage
 
 store_app = typer.Typer(help="Inspect a store.", no_args_is_help=True)
 
@@ -119,7 +118,7 @@ def gc(
             unreferenced_hours * 3600.0,
             compact_hole_fraction=compact_holes if compact else None,
         )
-        report = collect_garbage(kv, config)
+        report = kv.maintenance.collect_garbage(config)
     except KVStrataError as exc:
         fail(str(exc))
     finally:

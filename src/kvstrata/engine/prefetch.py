@@ -99,17 +99,17 @@ class Prefetcher:
         if found is None:
             return
         keys, priority = found
-        self.store.prefetch_remote(keys)
+        self.store.blocks.prefetch_remote(keys)
         paced = priority is Priority.BACKGROUND and self.background_bytes_per_s
         for key in keys:
             if self._closed:
                 return
-            if self.store.where(key) in (TierLevel.L1, None):
+            if self.store.blocks.where(key) in (TierLevel.L1, None):
                 continue
             if priority is Priority.BACKGROUND:
                 self._yield_to_realtime()
             started = time.monotonic()
-            found_block = self.store.lookup(key, priority=priority, scheduled=True)
+            found_block = self.store.blocks.lookup(key, priority=priority, scheduled=True)
             if found_block is None:
                 return
             self.prefetched_blocks += 1

@@ -185,8 +185,8 @@ class PrefixLoader:
         full = len(session.block_keys)
         importance = None
         if mode.kind is MemoryModeKind.IMPORTANCE:
-            importance = [self.store.importance(key) for key in session.block_keys]
-        system = [i for i, key in enumerate(session.block_keys) if self.store.is_protected(key)]
+            importance = [self.store.blocks.importance(key) for key in session.block_keys]
+        system = [i for i, key in enumerate(session.block_keys) if self.store.blocks.is_protected(key)]
         kept = mode.keep(full, bt, importance, protected=system)
         if kept is None:
             return None

@@ -190,7 +190,7 @@ class SessionJobs:
         self.prefixes.recycle(prefix, row.cache)
         if prefix.kept_blocks is not None:  # blocks the session no longer attends to
             kept = set(prefix.kept_blocks)
-            self.store.demote_from_l1(
+            self.store.blocks.demote_from_l1(
                 k for i, k in enumerate(session.block_keys) if i not in kept and i * bt < start
             )
         self._record_signals(inflight.request, session, inflight.prompt_ids)
@@ -240,7 +240,7 @@ class SessionJobs:
             evicted.append(self._resident.pop(victim))
         if evicted:
             keep = {k for s in self._resident.values() for k in s.all_keys()}
-            self.store.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
+            self.store.blocks.demote_from_l1(k for s in evicted for k in s.all_keys() if k not in keep)
 
     def request_rate(self, session_id: str, namespace: str) -> float:
         gap = self._gaps.get((namespace, session_id))
@@ -260,7 +260,7 @@ class SessionJobs:
             self._gaps[key] = gap if previous is None else 0.7 * previous + 0.3 * gap
         keys = session.all_keys()
         if key in self._gaps:
-            self.store.set_next_use(keys, self._gaps[key])
+            self.store.blocks.set_next_use(keys, self._gaps[key])
         messages = request.messages or []
         if messages and messages[0].get("role") == "system":
             system_ids = self.model.tokenizer.apply_chat_template([messages[0]], tokenize=True)
@@ -270,7 +270,7 @@ class SessionJobs:
                 min(common_prefix(list(system_ids), prompt_ids), session.num_tokens)
                 // self.store.layout.block_tokens
             )
-            self.store.protect(session.block_keys[:full])
+            self.store.blocks.protect(session.block_keys[:full])
 
     def _record_importance(self, session: Session, row: BatchRow, kept_blocks: list[int] | None) -> None:
         """Credit each of the session's blocks with the attention mass it received this request.
@@ -283,4 +283,4 @@ class SessionJobs:
         mass = row.block_mass(self.store.layout.block_tokens, len(keys))
         total = mass.sum()
         shares = mass / total if total > 0 else mass
-        self.store.add_importance(zip(keys, shares.tolist(), strict=True))
+        self.store.blocks.add_importance(zip(keys, shares.tolist(), strict=True))

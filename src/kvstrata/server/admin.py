@@ -19,7 +19,6 @@ from kvstrata.server.context import ServerContext
 from kvstrata.server.deps import client_address, context, locked, require_tenant
 from kvstrata.server.errors import APIError, from_kvstrata
 from kvstrata.server.schemas import CreateSessionRequest, ForkRequest
-from kvstrata.store import archive
 from kvstrata.store.sessions import SessionInfo
 
 router = APIRouter(prefix="/v1/sessions")
@@ -99,7 +98,7 @@ async def import_session(
         raise APIError(413, "the archive is larger than this server accepts", code="archive_too_large")
 
     def work(ctx: ServerContext) -> SessionInfo:
-        return archive.import_session(ctx.store, data, new_id=new_id, namespace=tenant).info()
+        return ctx.store.archives.import_session(data, new_id=new_id, namespace=tenant).info()
 
     return _info(await _audited(request, tenant, "import", new_id, work))
 
@@ -168,7 +167,7 @@ async def hibernate_session(
         session = ctx.store.session(session_id, tenant)
         ctx.store.checkpoint(session)  # every block durable in L3 first
         keys = session.all_keys()
-        ctx.store.demote_from_l1(keys)
+        ctx.store.blocks.demote_from_l1(keys)
         return {
             "object": "session.hibernated",
             "id": session_id,
@@ -188,7 +187,7 @@ async def export_session(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> Response:
     def work(ctx: ServerContext) -> bytes:
-        return archive.export_session(ctx.store, ctx.store.session(session_id, tenant))
+        return ctx.store.archives.export_session(ctx.store.session(session_id, tenant))
 
     data = await _audited(request, tenant, "export", session_id, work)
     return Response(

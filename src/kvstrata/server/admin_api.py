@@ -21,7 +21,7 @@ async def store_stats(request: Request) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         store = ctx.store
         usage: dict[str, dict[str, int]] = {}
-        for (namespace, level), nbytes in sorted(store.namespace_usage().items()):
+        for (namespace, level), nbytes in sorted(store.blocks.namespace_usage().items()):
             usage.setdefault(namespace, {})[level.name] = nbytes
         return {"object": "store.stats", **asdict(store.stats()), "namespaces": usage}
 

@@ -123,7 +123,7 @@ class StoreCollector(Collector):
             "Bytes each namespace (tenant) holds per tier ('' for blocks of unrecorded namespace).",
             labels=["namespace", "tier"],
         )
-        for (namespace, level), nbytes in sorted(self.store.namespace_usage().items()):
+        for (namespace, level), nbytes in sorted(self.store.blocks.namespace_usage().items()):
             per_namespace.add_metric([namespace, level.name], nbytes)
         yield per_namespace
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c
@@ -38,15 +39,17 @@ from kvstrata.errors import (
     EncryptionKeyError,
     LayoutMismatchError,
     SessionExistsError,
-    SessionNotFoundError,
     TierUnavailableError,
 )
 from kvstrata.keys import BlockKey, session_chain
-from kvstrata.store import KVStore
+from kvstrata.layout import KVLayout
 from kvstrata.store.block import KVBlock
-from kvstrata.store.documents import Document, validate_name
+from kvstrata.store.catalog import SessionCatalog
+from kvstrata.store.documents import Document, SessionDocuments, validate_name
+from kvstrata.store.durability import DiskWriter
 from kvstrata.store.kvbin import decode_record, encode_record
 from kvstrata.store.sessions import Session, validate_session_id
+from kvstrata.store.tiers.base import Tier
 
 MAGIC = b"\x89KVSARC\n"
 SEALED_MAGIC = b"\x89KVSARE\n"
@@ -68,46 +71,6 @@ class ArchiveHeader:
     num_blocks: int
     layout_fingerprint: bytes
     model_fingerprint: bytes
-
-
-def export_session(store: KVStore, session: Session) -> bytes:
-    """The archive of ``session`` (checkpointed first, so every block it names is on disk)."""
-    store.checkpoint(session)
-    keys = session.all_keys()
-    records = []
-    for key in keys:
-        block = store.disk.get(key)
-        if block is None or block.encoded is None:
-            raise TierUnavailableError(f"block {key.hex()[:16]} of session {session.id} is not on disk")
-        records.append(encode_record(key, block.encoded, store.layout.fingerprint, start_pos=block.start_pos))
-    header = {
-        "session_id": session.id,
-        "namespace": session.namespace,
-        "exported_at": time.time(),
-        "num_tokens": session.num_tokens,
-        "num_blocks": len(keys),
-        "layout_fingerprint": store.layout.fingerprint.hex(),
-        "model_fingerprint": session.model_fingerprint.hex(),
-    }
-    header_bytes = json.dumps(header, sort_keys=True).encode()
-    manifest = session.to_manifest()
-    parts = [MAGIC, _U16.pack(FORMAT_VERSION), _U32.pack(len(header_bytes)), header_bytes]
-    parts += [_U32.pack(len(manifest)), manifest]
-    documents = store.documents.export(session.id, namespace=session.namespace)
-    parts.append(_U32.pack(len(documents)))
-    for doc in documents:
-        name = doc.name.encode()
-        parts += [_U16.pack(len(name)), name, _U8.pack(int(doc.inherited))]
-        parts += [_U32.pack(len(doc.data)), doc.data]
-    for record in records:
-        parts += [_U32.pack(len(record)), record]
-    body = b"".join(parts)
-    archive = body + _U32.pack(crc32c.crc32c(body))
-    key = store.config.encryption_key
-    if key is None:
-        return archive
-    head = SEALED_MAGIC + _U16.pack(SEALED_VERSION)
-    return head + Keyring(key).seal_bytes(_PURPOSE, head, archive)
 
 
 def unseal(data: bytes, key: bytes | None) -> bytes:
@@ -219,71 +182,136 @@ def _read_documents(reader: _Reader) -> list[Document]:
     return documents
 
 
-def _key_chain(store: KVStore, namespace: str, session: Session) -> tuple[list[BlockKey], BlockKey | None]:
-    return session_chain(
-        store.root_key(namespace),
-        session.token_ids,
-        store.layout.block_tokens,
-        session.lineage,
-        session.lineage_from,
-    )
+class Archives:
+    """Exports and imports of sessions: a part of ``KVStore`` (``store.archives``)."""
 
+    def __init__(
+        self,
+        layout: KVLayout,
+        catalog: SessionCatalog,
+        disk: Tier,
+        writer: DiskWriter,
+        documents: SessionDocuments,
+        *,
+        checkpoint: Callable[[Session], None],
+        root_key: Callable[[str], BlockKey],
+        encryption_key: bytes | None = None,
+    ) -> None:
+        """``disk``/``writer``: L3 and its writer (an import writes its blocks there first);
+        ``checkpoint``: the store's (an export checkpoints first, an import commits with it);
+        ``root_key``: a namespace's first parent key (blocks are re-keyed for their namespace);
+        ``encryption_key``: the store's master key (its archives are sealed under it)."""
+        self._layout = layout
+        self._fingerprint = layout.fingerprint
+        self._catalog = catalog
+        self._disk = disk
+        self._writer = writer
+        self._documents = documents
+        self._checkpoint = checkpoint
+        self._root_key = root_key
+        self._encryption_key = encryption_key
 
-def import_session(
-    store: KVStore, data: bytes, *, new_id: str | None = None, namespace: str | None = None
-) -> Session:
-    """Recreate the archived session in ``namespace`` (default: the archive's) as ``new_id``
-    (default: the archived id). Raises ``CorruptBlockError`` on any damage (nothing written),
-    ``LayoutMismatchError`` for another model or layout, ``SessionExistsError`` if the id is taken."""
-    archive = read_archive(unseal(data, store.config.encryption_key))
-    header, archived, blocks = archive.header, archive.session, archive.blocks
-    if header.layout_fingerprint != store.layout.fingerprint:
-        raise LayoutMismatchError("the archive was written for another KV layout than this store's")
-    if header.model_fingerprint != store.model_fingerprint:
-        raise LayoutMismatchError("the archive was written by another model than this store's")
-    bt = store.layout.block_tokens
-    full = len(archived.block_keys)
-    if full != archived.num_tokens // bt or (archived.tail_key is not None) != bool(archived.num_tokens % bt):
-        raise CorruptBlockError("archive manifest: block count does not match its token count")
-    expected = _key_chain(store, archived.namespace, archived)
-    if expected != (archived.block_keys, archived.tail_key):
-        raise CorruptBlockError("archive manifest: block keys are not the hash chain of its tokens")
-    for i, (_, start_pos, encoded) in enumerate(blocks):
-        want = min(bt, archived.num_tokens - i * bt)
-        if encoded.num_tokens != want or start_pos != i * bt:
-            raise CorruptBlockError(f"archive block {i}: holds tokens the manifest does not place there")
+    def export_session(self, session: Session) -> bytes:
+        """The archive of ``session`` (checkpointed first, so every block it names is on disk)."""
+        self._checkpoint(session)
+        keys = session.all_keys()
+        records = []
+        for key in keys:
+            block = self._disk.get(key)
+            if block is None or block.encoded is None:
+                raise TierUnavailableError(f"block {key.hex()[:16]} of session {session.id} is not on disk")
+            records.append(encode_record(key, block.encoded, self._fingerprint, start_pos=block.start_pos))
+        header = {
+            "session_id": session.id,
+            "namespace": session.namespace,
+            "exported_at": time.time(),
+            "num_tokens": session.num_tokens,
+            "num_blocks": len(keys),
+            "layout_fingerprint": self._fingerprint.hex(),
+            "model_fingerprint": session.model_fingerprint.hex(),
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        manifest = session.to_manifest()
+        parts = [MAGIC, _U16.pack(FORMAT_VERSION), _U32.pack(len(header_bytes)), header_bytes]
+        parts += [_U32.pack(len(manifest)), manifest]
+        documents = self._documents.export(session.id, namespace=session.namespace)
+        parts.append(_U32.pack(len(documents)))
+        for doc in documents:
+            name = doc.name.encode()
+            parts += [_U16.pack(len(name)), name, _U8.pack(int(doc.inherited))]
+            parts += [_U32.pack(len(doc.data)), doc.data]
+        for record in records:
+            parts += [_U32.pack(len(record)), record]
+        body = b"".join(parts)
+        archive = body + _U32.pack(crc32c.crc32c(body))
+        key = self._encryption_key
+        if key is None:
+            return archive
+        head = SEALED_MAGIC + _U16.pack(SEALED_VERSION)
+        return head + Keyring(key).seal_bytes(_PURPOSE, head, archive)
 
-    target_ns = namespace if namespace is not None else archived.namespace
-    session_id = validate_session_id(new_id if new_id is not None else archived.id)
-    validate_session_id(target_ns)
-    try:
-        store.session(session_id, target_ns)
-    except SessionNotFoundError:
-        pass
-    else:
-        raise SessionExistsError(f"session {target_ns}/{session_id} already exists")
-    new_keys, new_tail = _key_chain(store, target_ns, archived)
-    # Blocks first, durably; the session is committed last, so an interrupted import leaves at
-    # most unreferenced blocks (collected by gc), never a session naming a missing block.
-    all_keys = [*new_keys, *([new_tail] if new_tail else [])]
-    writer = store.tiered.disk_writer
-    for key, (_, start_pos, encoded) in zip(all_keys, blocks, strict=True):
-        if store.disk.contains(key):
-            continue  # stored already (perhaps exact, where the archive's copy is lossy): keep it
-        writer.submit(KVBlock(key, encoded.num_tokens, start_pos, None, encoded, target_ns))
-    writer.flush(all_keys)
-    if not all(store.disk.contains(k) for k in all_keys):
-        raise TierUnavailableError(
-            f"the imported session's blocks could not be written to L3 ({writer.outage or 'no room'})"
+    def _key_chain(self, namespace: str, session: Session) -> tuple[list[BlockKey], BlockKey | None]:
+        return session_chain(
+            self._root_key(namespace),
+            session.token_ids,
+            self._layout.block_tokens,
+            session.lineage,
+            session.lineage_from,
         )
-    session = store.create_session(
-        session_id, target_ns, priority=archived.priority, ttl_s=archived.ttl_s, pinned=archived.pinned
-    )
-    session.token_ids = list(archived.token_ids)
-    session.block_keys = new_keys
-    session.tail_key = new_tail
-    session.parent = archived.parent
-    session.lineage, session.lineage_from = archived.lineage, archived.lineage_from
-    store.checkpoint(session)
-    store.documents.restore(session_id, archive.documents, namespace=target_ns)
-    return session
+
+    def import_session(
+        self, data: bytes, *, new_id: str | None = None, namespace: str | None = None
+    ) -> Session:
+        """Recreate the archived session in ``namespace`` (default: the archive's) as ``new_id``
+        (default: the archived id). Raises ``CorruptBlockError`` on any damage (nothing written),
+        ``LayoutMismatchError`` for another model or layout, ``SessionExistsError`` if the id is taken."""
+        archive = read_archive(unseal(data, self._encryption_key))
+        header, archived, blocks = archive.header, archive.session, archive.blocks
+        if header.layout_fingerprint != self._fingerprint:
+            raise LayoutMismatchError("the archive was written for another KV layout than this store's")
+        if header.model_fingerprint != self._catalog.model_fingerprint:
+            raise LayoutMismatchError("the archive was written by another model than this store's")
+        bt = self._layout.block_tokens
+        full = len(archived.block_keys)
+        if full != archived.num_tokens // bt or (archived.tail_key is not None) != bool(
+            archived.num_tokens % bt
+        ):
+            raise CorruptBlockError("archive manifest: block count does not match its token count")
+        expected = self._key_chain(archived.namespace, archived)
+        if expected != (archived.block_keys, archived.tail_key):
+            raise CorruptBlockError("archive manifest: block keys are not the hash chain of its tokens")
+        for i, (_, start_pos, encoded) in enumerate(blocks):
+            want = min(bt, archived.num_tokens - i * bt)
+            if encoded.num_tokens != want or start_pos != i * bt:
+                raise CorruptBlockError(f"archive block {i}: holds tokens the manifest does not place there")
+
+        target_ns = namespace if namespace is not None else archived.namespace
+        session_id = validate_session_id(new_id if new_id is not None else archived.id)
+        validate_session_id(target_ns)
+        if self._catalog.find(target_ns, session_id) is not None:
+            raise SessionExistsError(f"session {target_ns}/{session_id} already exists")
+        new_keys, new_tail = self._key_chain(target_ns, archived)
+        # Blocks first, durably; the session is committed last, so an interrupted import leaves at
+        # most unreferenced blocks (collected by gc), never a session naming a missing block.
+        all_keys = [*new_keys, *([new_tail] if new_tail else [])]
+        writer = self._writer
+        for key, (_, start_pos, encoded) in zip(all_keys, blocks, strict=True):
+            if self._disk.contains(key):
+                continue  # stored already (perhaps exact, where the archive's copy is lossy): keep it
+            writer.submit(KVBlock(key, encoded.num_tokens, start_pos, None, encoded, target_ns))
+        writer.flush(all_keys)
+        if not all(self._disk.contains(k) for k in all_keys):
+            raise TierUnavailableError(
+                f"the imported session's blocks could not be written to L3 ({writer.outage or 'no room'})"
+            )
+        session = self._catalog.create(
+            session_id, target_ns, priority=archived.priority, ttl_s=archived.ttl_s, pinned=archived.pinned
+        )
+        session.token_ids = list(archived.token_ids)
+        session.block_keys = new_keys
+        session.tail_key = new_tail
+        session.parent = archived.parent
+        session.lineage, session.lineage_from = archived.lineage, archived.lineage_from
+        self._checkpoint(session)
+        self._documents.restore(session_id, archive.documents, namespace=target_ns)
+        return session

@@ -24,18 +24,25 @@ import fcntl
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvstrata.codecs import get_codec, loss_rank
 from kvstrata.config import GcConfig
 from kvstrata.errors import KVStrataError, SessionBusyError, StoreBusyError
 from kvstrata.keys import KEY_BYTES, BlockKey
+from kvstrata.layout import KVLayout
+from kvstrata.policy.ladder import CodecLadder
 from kvstrata.priority import Priority, higher_priority
-from kvstrata.store import KVStore
+from kvstrata.store.catalog import SessionCatalog
 from kvstrata.store.compaction import Compactor
+from kvstrata.store.documents import SessionDocuments
+from kvstrata.store.durability import DiskWriter
+from kvstrata.store.index import Index
 from kvstrata.store.index.block_rows import Placement
-from kvstrata.store.tiers.disk import parse_file_name
+from kvstrata.store.processes import ProcessRegistry
+from kvstrata.store.tiers.disk import DiskTier, parse_file_name
 
 _LIVE_WRITER_GRACE_S = 3600.0
 """An unindexed file of a live process is left alone this long (its commit may be on the way)."""
@@ -60,178 +67,204 @@ class GcReport:
     """Lock files of processes that died with the store open (``procs/``)."""
 
 
-@contextlib.contextmanager
-def maintenance_lock(store: KVStore, name: str = "gc") -> Iterator[None]:
-    """One maintenance pass of ``name`` at a time over a store (``StoreBusyError`` otherwise)."""
-    fd = os.open(store.root / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+class Maintenance:
+    """Garbage collection (and segment compaction) of a store: a part of ``KVStore``
+    (``store.maintenance``), built with what it uses."""
+
+    def __init__(
+        self,
+        root: Path,
+        layout: KVLayout,
+        ladder: CodecLadder,
+        catalog: SessionCatalog,
+        documents: SessionDocuments,
+        disk: DiskTier,
+        writer: DiskWriter,
+        index: Index,
+        *,
+        processes: ProcessRegistry | None,
+        flush: Callable[[], None],
+    ) -> None:
+        """``index``: its block and session rows; ``processes``: who has the store open (files of
+        a live writer are left alone); ``flush``: the store's (queued writes land first)."""
+        self._root = root
+        self._layout = layout
+        self._ladder = ladder
+        self._catalog = catalog
+        self._documents = documents
+        self._disk = disk
+        self._files = disk.files
+        self._writer = writer
+        self._blocks = index.blocks
+        self._sessions = index.sessions
+        self._processes = processes
+        self._flush = flush
+        self._compactor = Compactor(disk.files, disk.cache, index.blocks, layout, disk.records.keyring)
+
+    @contextlib.contextmanager
+    def maintenance_lock(self, name: str = "gc") -> Iterator[None]:
+        """One maintenance pass of ``name`` at a time over a store (``StoreBusyError`` otherwise)."""
+        fd = os.open(self._root / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreBusyError(f"another `kvstrata {name}` is running on {store.root}") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def collect_garbage(store: KVStore, config: GcConfig | None = None, *, now: float | None = None) -> GcReport:
-    config = config or GcConfig()
-    started = time.perf_counter()
-    now = time.time() if now is None else now
-    with maintenance_lock(store):
-        store.flush()
-        deleted, busy = _expire_sessions(store, config, now)
-        store.documents.sweep_orphans()  # of sessions deleted by a fork cut short or an older build
-        doomed = _delete_unreferenced(store, now - max(config.unreferenced_after_s, config.grace_s))
-        bytes_freed = sum(placement.nbytes for placement in doomed.values())
-        for key, placement in doomed.items():  # rows are gone: now their files
-            store.disk.unlink_removed(key, placement)
-        moved, archived = _age_to_cold(store, config, now)
-        compacted = None
-        if config.compact_hole_fraction is not None:
-            disk = store.disk
-            compactor = Compactor(
-                disk.files, disk.cache, store.index.blocks, store.layout, disk.records.keyring
-            )
-            compacted = compactor.compact(config.compact_hole_fraction)
-        orphans = _remove_orphans(store, now - config.grace_s)
-        swept = store.processes.sweep() if store.processes is not None else 0  # dead processes' locks
-    return GcReport(
-        deleted,
-        len(doomed),
-        bytes_freed,
-        moved,
-        archived,
-        orphans,
-        time.perf_counter() - started,
-        busy,
-        compacted.segments_compacted if compacted is not None else 0,
-        compacted.bytes_reclaimed if compacted is not None else 0,
-        swept,
-    )
-
-
-def _expire_sessions(store: KVStore, config: GcConfig, now: float) -> tuple[int, int]:
-    deleted = busy = 0
-    for info in store.list_sessions():
-        if not info.pinned and (
-            (info.ttl_s is not None and now - info.last_access > info.ttl_s)
-            or now - info.last_access > config.retention_s
-        ):
             try:
-                store.delete_session(info.id, info.namespace)
-            except SessionBusyError:
-                busy += 1  # in use by another process right now: not idle after all
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreBusyError(f"another `kvstrata {name}` is running on {self._root}") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def collect_garbage(self, config: GcConfig | None = None, *, now: float | None = None) -> GcReport:
+        """Expire sessions, drop unreferenced blocks and orphan files, age idle blocks into
+        ``cold/`` (and compact segments when ``config`` asks); see the module's notes."""
+        config = config or GcConfig()
+        started = time.perf_counter()
+        now = time.time() if now is None else now
+        with self.maintenance_lock():
+            self._flush()
+            self._blocks.flush_access()
+            deleted, busy = self._expire_sessions(config, now)
+            self._documents.sweep_orphans()  # of sessions deleted by a fork cut short or an older build
+            doomed = self._delete_unreferenced(now - max(config.unreferenced_after_s, config.grace_s))
+            bytes_freed = sum(placement.nbytes for placement in doomed.values())
+            for key, placement in doomed.items():  # rows are gone: now their files
+                self._disk.unlink_removed(key, placement)
+            moved, archived = self._age_to_cold(config, now)
+            compacted = None
+            if config.compact_hole_fraction is not None:
+                compacted = self._compactor.compact(config.compact_hole_fraction)
+            orphans = self._remove_orphans(now - config.grace_s)
+            swept = self._processes.sweep() if self._processes is not None else 0  # dead processes' locks
+        return GcReport(
+            deleted,
+            len(doomed),
+            bytes_freed,
+            moved,
+            archived,
+            orphans,
+            time.perf_counter() - started,
+            busy,
+            compacted.segments_compacted if compacted is not None else 0,
+            compacted.bytes_reclaimed if compacted is not None else 0,
+            swept,
+        )
+
+    def _expire_sessions(self, config: GcConfig, now: float) -> tuple[int, int]:
+        deleted = busy = 0
+        for info in self._catalog.list():
+            if not info.pinned and (
+                (info.ttl_s is not None and now - info.last_access > info.ttl_s)
+                or now - info.last_access > config.retention_s
+            ):
+                try:
+                    self._catalog.delete(info.id, info.namespace)
+                except SessionBusyError:
+                    busy += 1  # in use by another process right now: not idle after all
+                    continue
+                deleted += 1
+        return deleted, busy
+
+    def _delete_unreferenced(self, older_than: float) -> dict[BlockKey, Placement]:
+        live = {key for session in self._catalog.live() for key in session.all_keys()}
+        sessions = self._sessions
+
+        def referenced(db: sqlite3.Connection) -> set[bytes]:
+            # a damaged session row raises here: nothing is deleted on the word of a damaged index
+            return set(live) | sessions.referenced_keys(db)  # live: since their checkpoint
+
+        return self._blocks.delete_unreferenced(referenced, older_than)
+
+    def _referenced_classes(self) -> dict[bytes, tuple[Priority, bool]]:
+        """Per referenced block: the most demanding (priority, pinned) among the sessions using it."""
+        referenced: dict[bytes, tuple[Priority, bool]] = {}
+
+        def reference(key: bytes, priority: Priority, pinned: bool) -> None:
+            seen = referenced.get(key)
+            if seen is not None:
+                priority, pinned = higher_priority(seen[0], priority), seen[1] or pinned
+            referenced[key] = (priority, pinned)
+
+        for block_keys, tail_key, priority, pinned in self._sessions.iter_keys():
+            for i in range(0, len(block_keys), KEY_BYTES):
+                reference(block_keys[i : i + KEY_BYTES], Priority.parse(priority), pinned)
+            if tail_key is not None:
+                reference(tail_key, Priority.parse(priority), pinned)
+        for session in self._catalog.live():  # appended since their last checkpoint
+            for key in session.all_keys():
+                reference(key, session.priority, session.pinned)
+        return referenced
+
+    def _age_to_cold(self, config: GcConfig, now: float) -> tuple[int, int]:
+        referenced = self._referenced_classes()
+        moved = archived = 0
+        for row in self._disk.rows():
+            if row.key in referenced and not row.cold and now - row.last_access > config.cold_after_s:
+                archived += self._archive(row.key, row.codec, *referenced[row.key])
+                moved += self._disk.set_cold(row.key, True)
+        return moved, archived
+
+    def _remove_orphans(self, older_than: float) -> int:
+        """Block files and segments the index does not name (a write that crashed before its commit,
+        a segment whose last block went while a reader still had it). A file of a process
+        that still has the store open may be a write between its rename and its commit: it is left
+        alone (for an hour at most); so are files younger than the grace period."""
+        orphans = 0
+        registry = self._processes
+        for path, cold in self._files.iter_files():
+            parsed = parse_file_name(path.name)
+            file_id = ""
+            if parsed is not None:
+                key, file_id = parsed
+                placement = self._blocks.placement(key)  # the index, not this process's cache
+                if placement is not None and (placement.cold, placement.file_id) == (cold, file_id):
+                    continue
+            try:
+                mtime = path.stat().st_mtime
+                if mtime >= older_than:
+                    continue
+                writer = file_id[:8]
+                live = writer and registry is not None and registry.alive_nonce(writer)
+                if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
+                    continue
+                path.unlink()
+            except FileNotFoundError:
                 continue
-            deleted += 1
-    return deleted, busy
-
-
-def _delete_unreferenced(store: KVStore, older_than: float) -> dict[BlockKey, Placement]:
-    live = {key for session in store.live_sessions() for key in session.all_keys()}
-    sessions = store.index.sessions
-
-    def referenced(db: sqlite3.Connection) -> set[bytes]:
-        # a damaged session row raises here: nothing is deleted on the word of a damaged index
-        return set(live) | sessions.referenced_keys(db)  # live: since their checkpoint
-
-    return store.index.blocks.delete_unreferenced(referenced, older_than)
-
-
-def _referenced_classes(store: KVStore) -> dict[bytes, tuple[Priority, bool]]:
-    """Per referenced block: the most demanding (priority, pinned) among the sessions using it."""
-    referenced: dict[bytes, tuple[Priority, bool]] = {}
-
-    def reference(key: bytes, priority: Priority, pinned: bool) -> None:
-        seen = referenced.get(key)
-        if seen is not None:
-            priority, pinned = higher_priority(seen[0], priority), seen[1] or pinned
-        referenced[key] = (priority, pinned)
-
-    for block_keys, tail_key, priority, pinned in store.index.sessions.iter_keys():
-        for i in range(0, len(block_keys), KEY_BYTES):
-            reference(block_keys[i : i + KEY_BYTES], Priority.parse(priority), pinned)
-        if tail_key is not None:
-            reference(tail_key, Priority.parse(priority), pinned)
-    for session in store.live_sessions():  # appended since their last checkpoint
-        for key in session.all_keys():
-            reference(key, session.priority, session.pinned)
-    return referenced
-
-
-def _age_to_cold(store: KVStore, config: GcConfig, now: float) -> tuple[int, int]:
-    referenced = _referenced_classes(store)
-    moved = archived = 0
-    for row in store.disk.rows():
-        if row.key in referenced and not row.cold and now - row.last_access > config.cold_after_s:
-            archived += _archive(store, row.key, row.codec, *referenced[row.key])
-            moved += store.disk.set_cold(row.key, True)
-    return moved, archived
-
-
-def _remove_orphans(store: KVStore, older_than: float) -> int:
-    """Block files and segments the index does not name (a write that crashed before its commit,
-    a segment whose last block went while a reader still had it). A file of a process
-    that still has the store open may be a write between its rename and its commit: it is left
-    alone (for an hour at most); so are files younger than the grace period."""
-    orphans = 0
-    registry = store.processes
-    for path, cold in store.disk.files.iter_files():
-        parsed = parse_file_name(path.name)
-        file_id = ""
-        if parsed is not None:
-            key, file_id = parsed
-            placement = store.index.blocks.placement(key)  # the index, not this process's cache
-            if placement is not None and (placement.cold, placement.file_id) == (cold, file_id):
+            orphans += 1
+        for segment_id, path in self._files.iter_segments():
+            if segment_id is not None and self._blocks.segment_refs(segment_id) > 0:
                 continue
+            try:
+                mtime = path.stat().st_mtime
+                if mtime >= older_than:
+                    continue
+                writer = (segment_id or "")[:8]
+                live = writer and registry is not None and registry.alive_nonce(writer)
+                if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
+                    continue
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            orphans += 1
+        return orphans
+
+    def _archive(self, key: BlockKey, codec: int, priority: Priority, pinned: bool) -> int:
+        """Re-encode an idle block with the ladder's archive codec before it goes cold (1 if done).
+
+        The new record replaces the old file atomically; a corrupt file is left to the read path,
+        which quarantines it."""
+        name = self._ladder.archive_codec(priority, pinned)
+        if name is None:
+            return 0
+        target = get_codec(name)
+        if loss_rank(codec) >= target.loss_rank:
+            return 0
         try:
-            mtime = path.stat().st_mtime
-            if mtime >= older_than:
-                continue
-            writer = file_id[:8]
-            live = writer and registry is not None and registry.alive_nonce(writer)
-            if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
-                continue
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        orphans += 1
-    for segment_id, path in store.disk.files.iter_segments():
-        if segment_id is not None and store.index.blocks.segment_refs(segment_id) > 0:
-            continue
-        try:
-            mtime = path.stat().st_mtime
-            if mtime >= older_than:
-                continue
-            writer = (segment_id or "")[:8]
-            live = writer and registry is not None and registry.alive_nonce(writer)
-            if live and mtime > time.time() - _LIVE_WRITER_GRACE_S:
-                continue
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        orphans += 1
-    return orphans
-
-
-def _archive(store: KVStore, key: BlockKey, codec: int, priority: Priority, pinned: bool) -> int:
-    """Re-encode an idle block with the ladder's archive codec before it goes cold (1 if done).
-
-    The new record replaces the old file atomically; a corrupt file is left to the read path,
-    which quarantines it."""
-    name = store.config.ladder.archive_codec(priority, pinned)
-    if name is None:
-        return 0
-    target = get_codec(name)
-    if loss_rank(codec) >= target.loss_rank:
-        return 0
-    try:
-        block = store.disk.get(key)
-    except KVStrataError:
-        return 0
-    if block is None:
-        return 0
-    # through the writer, like every L3 write: it swaps the file for the new codec atomically
-    store.tiered.disk_writer.submit(block.reencoded(target, store.layout))
-    store.tiered.disk_writer.flush([key])
-    return 1
+            block = self._disk.get(key)
+        except KVStrataError:
+            return 0
+        if block is None:
+            return 0
+        # through the writer, like every L3 write: it swaps the file for the new codec atomically
+        self._writer.submit(block.reencoded(target, self._layout))
+        self._writer.flush([key])
+        return 1

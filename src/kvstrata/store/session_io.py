@@ -1,15 +1,15 @@
 """Reading and writing a session's KV: cutting it into blocks, restoring it, checkpointing it.
 
-A mixin of :class:`~kvstrata.store.kvstore.KVStore` (the one public surface); it works on the
-store's placement (``self.tiered``) and index through the same attributes.
+A part of :class:`~kvstrata.store.kvstore.KVStore` (``store.io``; the store's ``append``,
+``load``, ``checkpoint``... are its): it reads through the placement's ``Reads``, writes through
+its ``Writes``, and commits sessions through the catalogue.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +20,14 @@ from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
 from kvstrata.store import staging
 from kvstrata.store.block import KVBlock
+from kvstrata.store.block_stats import BlockStatsTable
+from kvstrata.store.catalog import SessionCatalog
+from kvstrata.store.counters import StoreCounters
+from kvstrata.store.placement.reads import Reads
+from kvstrata.store.placement.writes import Writes
+from kvstrata.store.remote_mirror import RemoteMirror
 from kvstrata.store.sessions import Session
-from kvstrata.store.tiers.base import TierLevel
-
-if TYPE_CHECKING:
-    from kvstrata.store.index import Index
-    from kvstrata.store.placement import TieredStore
-    from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.tiering import TierLevel
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,21 +51,39 @@ writer starts on the first blocks while the later ones are copied."""
 
 
 class SessionIO:
-    layout: KVLayout
-    config: StoreConfig
-    index: Index
-    tiered: TieredStore
-    disk: DiskTier
-    checkpoints: int
-    checkpoint_seconds: float
-
-    if TYPE_CHECKING:  # provided by KVStore and Leasing
-
-        def _writable(self) -> None: ...
-
-        def _claim(self, namespace: str, session_id: str, *, force: bool = False) -> None: ...
-
-        def root_key(self, namespace: str) -> BlockKey: ...
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: StoreConfig,
+        catalog: SessionCatalog,
+        reads: Reads,
+        writes: Writes,
+        *,
+        stats: BlockStatsTable,
+        counters: StoreCounters,
+        age_out: Callable[[Iterable[BlockKey]], None],
+        forget: Callable[[BlockKey], None],
+        root_key: Callable[[str], BlockKey],
+        remote: RemoteMirror | None,
+    ) -> None:
+        """``age_out``: the re-encoder's (blocks that left a recent window); ``forget``: the disk
+        tier's placement cache's (a block another process removed); ``root_key``: a namespace's
+        first parent key; ``remote``: where checkpoints are published (None: nowhere)."""
+        self.layout = layout
+        self._config = config
+        self._ladder = config.ladder
+        self._recent_blocks = config.ladder.recent_blocks
+        self._catalog = catalog
+        self._reads = reads
+        self._writes = writes
+        self._stats = stats
+        self._counters = counters
+        self._age_out = age_out
+        self._forget = forget
+        self._root_key = root_key
+        self._remote = remote
+        self.checkpoints = 0
+        self.checkpoint_seconds = 0.0
 
     # -- writing KV ------------------------------------------------------------------------------
     def append(self, session: Session, token_ids: Sequence[int], kv: torch.Tensor) -> None:
@@ -74,7 +93,7 @@ class SessionIO:
         whoever wrote them first); the remainder becomes the session's tail block. A checkpoint
         is taken every ``checkpoint_every_tokens`` tokens.
         """
-        self._claim(session.namespace, session.id)
+        self._catalog.claim(session)
         new_tokens = [int(t) for t in token_ids]
         if kv.dim() != 5 or kv.shape[3] != len(new_tokens):
             raise ConfigError(f"kv must have shape (2, L, H, {len(new_tokens)}, D), got {tuple(kv.shape)}")
@@ -88,9 +107,9 @@ class SessionIO:
         pending_tokens = tail_tokens + new_tokens
         old_full = len(session.block_keys)
         new_full = old_full + len(pending_tokens) // bt
-        window_start = new_full - self.config.ladder.recent_blocks  # full blocks from here stay exact
+        window_start = new_full - self._recent_blocks  # full blocks from here stay exact
         start_pos = old_full * bt
-        parent = session.block_keys[-1] if session.block_keys else self.root_key(session.namespace)
+        parent = session.block_keys[-1] if session.block_keys else self._root_key(session.namespace)
         lineage, lineage_from = session.lineage, session.lineage_from
         full_keys: list[BlockKey] = []
         for offset in range(0, len(pending_tokens) - bt + 1, bt):
@@ -105,7 +124,7 @@ class SessionIO:
             tail = chain_key(parent, rest)
         # one index query for the whole append (one a block took about 0.07 ms: 36 of the 200 ms
         # of a 512-block checkpoint)
-        absent = self.tiered.absent_from_disk([*full_keys, *([tail] if tail is not None else [])])
+        absent = self._writes.absent_from_disk([*full_keys, *([tail] if tail is not None else [])])
         kv = self._block_kv(kv)
         group = max(1, STAGE_GROUP_BYTES // self.layout.bytes_per_block)
         for first in range(0, len(full_keys), group):
@@ -123,14 +142,12 @@ class SessionIO:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
         # blocks this append pushed out of the recent window go down the ladder, in the background
-        self.tiered.reencoder.age_out(
-            session.block_keys[
-                max(0, old_full - self.config.ladder.recent_blocks) : min(old_full, window_start)
-            ]
+        self._age_out(
+            session.block_keys[max(0, old_full - self._recent_blocks) : min(old_full, window_start)]
         )
         session.token_ids.extend(new_tokens)
         session.last_access = time.time()
-        if session.num_tokens - session.checkpointed_tokens >= self.config.checkpoint_every_tokens:
+        if session.num_tokens - session.checkpointed_tokens >= self._config.checkpoint_every_tokens:
             self.checkpoint(session)
 
     def _block_kv(self, kv: torch.Tensor) -> torch.Tensor:
@@ -153,7 +170,7 @@ class SessionIO:
     ) -> None:
         """Store a block's own copy (``tensor``: made for it, see ``staging``)."""
         self.layout.check_block(tensor)
-        self.tiered.put(
+        self._writes.put(
             KVBlock(key, int(tensor.shape[3]), start_pos, tensor, namespace=session.namespace),
             priority=session.priority,
             recent=recent,
@@ -162,7 +179,7 @@ class SessionIO:
 
     def _read_tail(self, session: Session) -> torch.Tensor:
         assert session.tail_key is not None
-        block = self.tiered.get(session.tail_key)
+        block = self._reads.get(session.tail_key)
         if block is None:
             raise TierUnavailableError(
                 f"tail block of session {session.id} is lost; truncate it and re-prefill"
@@ -171,7 +188,7 @@ class SessionIO:
 
     def truncate(self, session: Session, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens (for an edited history)."""
-        self._claim(session.namespace, session.id)
+        self._catalog.claim(session)
         if not 0 <= num_tokens <= session.num_tokens:
             raise ConfigError(f"cannot truncate {session.num_tokens} tokens to {num_tokens}")
         if num_tokens == session.num_tokens:
@@ -238,7 +255,7 @@ class SessionIO:
         ``out``: a buffer to reuse for it (a finished request's, already paged in: writing into
         fresh memory costs page faults), used when its shape, dtype and room fit."""
         prio = Priority.parse(priority) if priority is not None else None
-        max_loss = self.config.ladder.max_loss_rank(prio) if prio is not None else None
+        max_loss = self._ladder.max_loss_rank(prio) if prio is not None else None
         bt = self.layout.block_tokens
         full = len(keys) if full_blocks is None else full_blocks
         want = min(len(keys) * bt if num_tokens is None else num_tokens, len(keys) * bt)
@@ -246,7 +263,7 @@ class SessionIO:
             return LoadedKV(None, 0, {}, None if want >= 0 else 0, None)
         # room for whole blocks (each is decoded in place) and for the tokens to come
         shape = self.layout.block_shape(max(-(-want // bt) * bt, capacity or 0))
-        device = torch.device(self.config.device)
+        device = torch.device(self._config.device)
         if (
             out is not None
             and out.shape[:3] == shape[:3]
@@ -259,11 +276,11 @@ class SessionIO:
         else:
             buffer = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
         started = time.perf_counter()
-        with self.tiered.stats.hold(keys):
-            got, by_tier = self.tiered.restore(
+        with self._stats.hold(keys):
+            got, by_tier = self._reads.restore(
                 keys, buffer, want, full=full, priority=prio, max_loss=max_loss
             )
-        self.counters.restored(max(by_tier, default=None), time.perf_counter() - started)
+        self._counters.restored(max(by_tier, default=None), time.perf_counter() - started)
         if got == 0:
             return LoadedKV(None, 0, {}, 0, None)
         return LoadedKV(buffer[:, :, :, :got], got, by_tier, None if got >= want else got, buffer)
@@ -272,7 +289,7 @@ class SessionIO:
     def checkpoint(self, session: Session) -> None:
         """Make the session's blocks durable in L3, then commit its index row (in that order, so
         a committed session never names a block that is not on disk)."""
-        self._claim(session.namespace, session.id)
+        self._catalog.claim(session)
         started = time.perf_counter()
         try:
             self._checkpoint(session)
@@ -280,27 +297,27 @@ class SessionIO:
             elapsed = time.perf_counter() - started
             self.checkpoints += 1
             self.checkpoint_seconds += elapsed
-            self.counters.checkpointed(elapsed)
+            self._counters.checkpointed(elapsed)
 
     def _checkpoint(self, session: Session) -> None:
         keys = session.all_keys()
         for _ in range(_CHECKPOINT_ATTEMPTS):
-            missing = self.tiered.make_durable(keys)
+            missing = self._writes.make_durable(keys)
             if missing:
                 raise TierUnavailableError(
                     f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not "
-                    f"be written to L3 ({self.tiered.disk_writer.outage or 'not found in any tier'}); the "
+                    f"be written to L3 ({self._writes.outage() or 'not found in any tier'}); the "
                     "previous checkpoint stays valid"
                 )
             session.version += 1
             # the commit checks, in its transaction, that every block still has its row: another
             # process's gc or eviction may have removed one since it was written
-            gone = self._commit(session, required=keys)
+            gone = self._catalog.commit(session, required=keys)
             if not gone:
                 break
             session.version -= 1
             for key in gone:
-                self.disk.cache.forget(BlockKey(key))  # written again from memory next round
+                self._forget(BlockKey(key))  # written again from memory next round
         else:
             raise TierUnavailableError(
                 f"checkpoint of {session.namespace}/{session.id} failed: its blocks kept being removed by "
@@ -313,8 +330,8 @@ class SessionIO:
         """Share the checkpoint through the remote tier: blocks first, then the manifest by
         compare-and-set. A remote outage only skips this; a conflict raises (the local
         checkpoint above is kept, so nothing is lost: fork it to keep both histories)."""
-        remote = self.tiered.remote
-        if remote is None or not self.tiered.publish_remote(session.all_keys()):
+        remote = self._remote
+        if remote is None or not self._writes.publish_remote(session.all_keys()):
             return
         version = remote.publish_manifest(
             session.namespace, session.id, session.to_manifest(), session.remote_version
@@ -322,13 +339,4 @@ class SessionIO:
         if version is None:
             return
         session.remote_version = version
-        self._commit(session)
-
-    def _commit(self, session: Session, required: Sequence[bytes] = ()) -> list[bytes]:
-        """Commit the session's row by compare-and-set on the version this process last saw
-        (``SessionConflictError`` when another process committed since); the ``required`` block
-        keys that have no row are returned instead (nothing written)."""
-        missing = self.index.sessions.commit(session.to_row(), session.committed_version, required)
-        if not missing:
-            session.committed_version = session.version
-        return missing
+        self._catalog.commit(session)

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from kvstrata.codecs import CodecId
-from kvstrata.store.tiers.base import TierLevel
-
-if TYPE_CHECKING:
-    from kvstrata.store import KVStore
+from kvstrata.keys import BlockKey
+from kvstrata.layout import KVLayout
+from kvstrata.store.counters import StoreCounters
+from kvstrata.store.index import Index
+from kvstrata.store.index.session_rows import SessionTable
+from kvstrata.store.tiers.base import EncodedUsage, SegmentSpace, Tier
+from kvstrata.tiering import TierLevel
 
 _SNAPSHOT = "stats_snapshot"
 _COUNTED = ("hits", "misses", "promotions", "demotions", "rejected", "evictions")
@@ -67,60 +71,142 @@ class StoreStats:
     snapshot_time: float | None = None
 
 
-def live_tier_stats(store: KVStore) -> list[TierStats]:
-    out = []
-    for tier in store.tiered.tiers:
+class StoreStatistics:
+    """The store's figures: each local tier's usage and counters, and the totals kept in the
+    index across processes. A part of ``KVStore`` (``KVStore.stats()`` reports them)."""
+
+    def __init__(
+        self,
+        root: Path,
+        layout: KVLayout,
+        tiers: Sequence[Tier],
+        counters: StoreCounters,
+        index: Index,
+        sessions: SessionTable,
+        *,
+        lost: set[BlockKey],
+        outage: Callable[[], str | None],
+        owns_memory: bool,
+    ) -> None:
+        """``tiers``: every local tier; ``index``: where the totals are kept (its metadata);
+        ``sessions``: its session rows; ``lost``: the disk tier's lost blocks; ``outage``: why L3
+        writes fail (None: they do not); ``owns_memory``: this process has memory tiers."""
+        self._root = root
+        self._layout = layout
+        self._tiers = list(tiers)
+        self._counters = counters
+        self._index = index
+        self._sessions = sessions
+        self._lost = lost
+        self._outage = outage
+        self._owns_memory = owns_memory
+
+    def live_tiers(self) -> list[TierStats]:
+        """This process's figures per local tier (counters not added to the totals)."""
+        return [self._tier_stats(tier) for tier in self._tiers]
+
+    def _tier_stats(self, tier: Tier) -> TierStats:
         usage = tier.usage()
-        c = store.counters.tiers[tier.level]
+        c = self._counters.of(tier.level)
         by_codec: dict[str, int] = {}
         logical = usage.stored_bytes
         if tier.level is TierLevel.L1:
             if usage.blocks:
                 by_codec["decoded"] = usage.stored_bytes
-        else:
-            by_codec = {CodecId(c).name.lower(): n for c, n in tier.bytes_by_codec().items()}  # type: ignore[attr-defined]
-            logical = tier.logical_bytes()  # type: ignore[attr-defined]
+        elif isinstance(tier, EncodedUsage):
+            by_codec = {CodecId(codec).name.lower(): n for codec, n in tier.bytes_by_codec().items()}
+            logical = tier.logical_bytes()
         fragmentation = usage.fragmentation_bytes
-        segment_space = getattr(tier, "segment_space", None)
-        if segment_space is not None:  # L3: the holes deleted blocks left in segments
-            _, file_bytes, live_bytes = segment_space()
+        if isinstance(tier, SegmentSpace):  # L3: the holes deleted blocks left in segments
+            _, file_bytes, live_bytes = tier.segment_space()
             fragmentation = max(0, file_bytes - live_bytes)
-        out.append(
-            TierStats(
-                tier.level.name,
-                usage.blocks,
-                usage.used_bytes,
-                usage.stored_bytes,
-                usage.budget_bytes,
-                fragmentation,
-                c.hits,
-                c.misses,
-                c.promotions,
-                c.demotions,
-                c.rejected,
-                by_codec,
-                logical,
-                round(logical / usage.stored_bytes, 3) if usage.stored_bytes else 1.0,
-                evictions=c.evictions,
-            )
+        return TierStats(
+            tier.level.name,
+            usage.blocks,
+            usage.used_bytes,
+            usage.stored_bytes,
+            usage.budget_bytes,
+            fragmentation,
+            c.hits,
+            c.misses,
+            c.promotions,
+            c.demotions,
+            c.rejected,
+            by_codec,
+            logical,
+            round(logical / usage.stored_bytes, 3) if usage.stored_bytes else 1.0,
+            evictions=c.evictions,
         )
-    return out
 
+    def _snapshot(self) -> dict:  # type: ignore[type-arg]
+        """The saved figures; none (with a warning) when the record is damaged: they are figures,
+        and a damaged record must not make a store unusable."""
+        text = self._index.get_meta(_SNAPSHOT)
+        if not text:
+            return {}
+        try:
+            snapshot = json.loads(text)
+        except ValueError:
+            snapshot = None
+        if not _well_formed(snapshot):
+            log.warning("store %s: its saved statistics are damaged; counting from zero", self._root)
+            return {}
+        return snapshot  # type: ignore[no-any-return]
 
-def _load_snapshot(store: KVStore) -> dict:  # type: ignore[type-arg]
-    """The saved figures; none (with a warning) when the record is damaged: they are figures,
-    and a damaged record must not make a store unusable."""
-    text = store.index.get_meta(_SNAPSHOT)
-    if not text:
-        return {}
-    try:
-        snapshot = json.loads(text)
-    except ValueError:
-        snapshot = None
-    if not _well_formed(snapshot):
-        log.warning("store %s: its saved statistics are damaged; counting from zero", store.root)
-        return {}
-    return snapshot  # type: ignore[no-any-return]
+    def collect(self, open_seconds: float) -> StoreStats:
+        """Live figures of this process, with counters added to the persisted totals."""
+        snapshot = self._snapshot()
+        previous = {t["tier"]: t for t in snapshot.get("tiers", [])}
+        tiers = self.live_tiers()
+        for t in tiers:
+            prev = previous.get(t.tier, {})
+            for name in _COUNTED:
+                setattr(t, name, getattr(t, name) + prev.get(name, 0))
+            if t.tier != "L3" and t.blocks == 0 and t.budget_bytes == 0 and prev:
+                # this process runs without memory tiers (the CLI): show the last owner's figures
+                for name in ("blocks", "used_bytes", "stored_bytes", "budget_bytes", "fragmentation_bytes"):
+                    setattr(t, name, prev.get(name, 0))
+                t.bytes_by_codec = prev.get("bytes_by_codec", {})
+                t.logical_bytes = prev.get("logical_bytes", 0)
+                t.compression_ratio = prev.get("compression_ratio", 1.0)
+                t.live = False
+        c = self._counters
+        totals = snapshot.get("totals", {})
+        return StoreStats(
+            str(self._root),
+            self._layout.describe(),
+            self._sessions.count(),
+            tiers,
+            c.corrupt_blocks + totals.get("corrupt_blocks", 0),
+            len(self._lost) + totals.get("lost_blocks", 0),
+            c.dropped_dirty + totals.get("dropped_dirty", 0),
+            c.write_failures + totals.get("write_failures", 0),
+            self._outage(),
+            open_seconds,
+            snapshot.get("time"),
+        )
+
+    def persist(self, open_seconds: float) -> None:
+        """Save totals (and the memory tiers' last figures) into the index at close."""
+        stats = self.collect(open_seconds)
+        previous = {t["tier"]: t for t in self._snapshot().get("tiers", [])}
+        tiers = []
+        for t in stats.tiers:
+            data = asdict(t)
+            if not self._owns_memory and t.tier != "L3" and t.tier in previous:
+                data = {**previous[t.tier], **{k: data[k] for k in _COUNTED}}
+            tiers.append(data)
+        snapshot = {
+            "time": time.time(),
+            "tiers": tiers,
+            "totals": {
+                "corrupt_blocks": stats.corrupt_blocks,
+                "lost_blocks": stats.lost_blocks,
+                "dropped_dirty": stats.dropped_dirty,
+                "write_failures": stats.write_failures,
+            },
+        }
+        self._index.set_meta(_SNAPSHOT, json.dumps(snapshot))
 
 
 def _well_formed(snapshot: object) -> bool:
@@ -140,66 +226,3 @@ def _well_formed(snapshot: object) -> bool:
         return False
     tiers, totals = snapshot.get("tiers", []), snapshot.get("totals", {})
     return isinstance(tiers, list) and all(tier(t) for t in tiers) and numbers(totals)
-
-
-def collect(store: KVStore) -> StoreStats:
-    """Live figures of this process, with counters added to the persisted totals."""
-    snapshot = _load_snapshot(store)
-    previous = {t["tier"]: t for t in snapshot.get("tiers", [])}
-    tiers = live_tier_stats(store)
-    for t in tiers:
-        prev = previous.get(t.tier, {})
-        for name in _COUNTED:
-            setattr(t, name, getattr(t, name) + prev.get(name, 0))
-        if t.tier != "L3" and t.blocks == 0 and t.budget_bytes == 0 and prev:
-            # this process runs without memory tiers (the CLI): show the last owner's figures
-            for name in ("blocks", "used_bytes", "stored_bytes", "budget_bytes", "fragmentation_bytes"):
-                setattr(t, name, prev.get(name, 0))
-            t.bytes_by_codec = prev.get("bytes_by_codec", {})
-            t.logical_bytes = prev.get("logical_bytes", 0)
-            t.compression_ratio = prev.get("compression_ratio", 1.0)
-            t.live = False
-    c = store.counters
-    totals = snapshot.get("totals", {})
-    return StoreStats(
-        str(store.root),
-        store.layout.describe(),
-        store.index.sessions.count(),
-        tiers,
-        c.corrupt_blocks + totals.get("corrupt_blocks", 0),
-        len(store.disk.records.lost) + totals.get("lost_blocks", 0),
-        c.dropped_dirty + totals.get("dropped_dirty", 0),
-        c.write_failures + totals.get("write_failures", 0),
-        store.tiered.disk_writer.outage,
-        store.open_seconds,
-        snapshot.get("time"),
-    )
-
-
-def persist(store: KVStore) -> None:
-    """Save totals (and the memory tiers' last figures) into the index at close."""
-    stats = collect(store)
-    owns_memory = bool(store.tiered.memory.tiers)
-    previous = {t["tier"]: t for t in _load_snapshot(store).get("tiers", [])}
-    tiers = []
-    for t in stats.tiers:
-        data = asdict(t)
-        if not owns_memory and t.tier != "L3" and t.tier in previous:
-            data = {
-                **previous[t.tier],
-                **{
-                    k: data[k] for k in ("hits", "misses", "promotions", "demotions", "rejected", "evictions")
-                },
-            }
-        tiers.append(data)
-    snapshot = {
-        "time": time.time(),
-        "tiers": tiers,
-        "totals": {
-            "corrupt_blocks": stats.corrupt_blocks,
-            "lost_blocks": stats.lost_blocks,
-            "dropped_dirty": stats.dropped_dirty,
-            "write_failures": stats.write_failures,
-        },
-    }
-    store.index.set_meta(_SNAPSHOT, json.dumps(snapshot))

@@ -189,7 +189,7 @@ class Restorer:
 
 def tier_bytes(store: KVStore) -> dict[str, int]:
     """Bytes the store's tiers hold now: L1 and L2 used bytes (memory), L3 stored bytes (disk)."""
-    usage = {level.name: u for level, u in store.tier_usage().items()}
+    usage = {level.name: u for level, u in store.blocks.tier_usage().items()}
     return {"L1": usage["L1"].used_bytes, "L2": usage["L2"].used_bytes, "L3": usage["L3"].stored_bytes}
 
 

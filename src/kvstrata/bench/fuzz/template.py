@@ -21,7 +21,6 @@ from kvstrata.config import GcConfig, StoreConfig
 from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
 from kvstrata.store import KVStore
-from kvstrata.store.lifecycle import collect_garbage
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4)
 MODEL = b"fuzz-model"
@@ -80,7 +79,7 @@ def build(root: Path, key: bytes | None) -> Template:
             store.documents.put(name, DOCUMENT, f"transcript of {name}".encode())
             if i == 1:  # the first sessions' blocks move into files of their own in cold/
                 store.flush()
-                collect_garbage(store, GcConfig(cold_after_s=0.0))
+                store.maintenance.collect_garbage(GcConfig(cold_after_s=0.0))
         child = store.fork(store.session("rt-a"), "rt-fork")
         more = list(range(3000, 3011))
         store.append(child, more, session_kv(more, child.num_tokens))

@@ -187,8 +187,8 @@ def _measure(
                 gc.collect()
                 if variant in restorers:  # untimed: the blocks leave device memory (for L2, or for good)
                     store = memory if variant == L2_L1 else cold
-                    store.demote_from_l1(keys[0])
-                    store.wait_demotions()
+                    store.blocks.demote_from_l1(keys[0])
+                    store.blocks.wait_demotions()
                 if variant == L3_L1:
                     drop_store_page_cache(root / "store")
                 if variant in restorers:

@@ -112,9 +112,9 @@ def _run_policy(root: Path, high: float, low: float, dwell_s: float, duration_s:
             tokens = [seed] * layout.block_tokens
             kv = torch.randn(layout.block_shape(), generator=torch.Generator().manual_seed(seed))
             block = KVBlock(chain_key(store.root_key("default"), tokens), layout.block_tokens, 0, kv)
-            store.put_block(block, namespace="default")
+            store.blocks.put(block, namespace="default")
             keys.append(block.key)
-        store.wait_demotions()
+        store.blocks.wait_demotions()
         counters = store.counters.tiers
         before = counters[TierLevel.L1].demotions + counters[TierLevel.L2].promotions
         fills = []
@@ -122,10 +122,10 @@ def _run_policy(root: Path, high: float, low: float, dwell_s: float, duration_s:
         started = time.perf_counter()
         while time.perf_counter() - started < duration_s:
             for key in keys:
-                if store.lookup(key, scheduled=False) is None:
+                if store.blocks.lookup(key, scheduled=False) is None:
                     raise AssertionError(f"block {key.hex()[:12]} was lost")
-                store.wait_demotions()
-                fills.append(store.tier_usage()[TierLevel.L1].fill)
+                store.blocks.wait_demotions()
+                fills.append(store.blocks.tier_usage()[TierLevel.L1].fill)
             reads += len(keys)
         seconds = time.perf_counter() - started
         migrations = counters[TierLevel.L1].demotions + counters[TierLevel.L2].promotions - before

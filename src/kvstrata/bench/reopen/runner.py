@@ -52,7 +52,7 @@ from kvstrata.store.tiers.base import TierLevel
 started = time.perf_counter()
 store = KVStore(sys.argv[1])
 seconds = time.perf_counter() - started
-blocks = store.tier_usage()[TierLevel.L3].blocks
+blocks = store.blocks.tier_usage()[TierLevel.L3].blocks
 sessions = len(store.list_sessions())
 store.close()
 print(json.dumps({"seconds": seconds, "blocks": blocks, "sessions": sessions}))

@@ -197,7 +197,7 @@ class StoreProbe:
             if (self._path() / "index.sqlite").exists():
                 config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0)
                 with KVStore(self._path(), read_only=True, config=config) as store:
-                    if all(store.contains(k) for k in keys):  # type: ignore[arg-type]
+                    if all(store.blocks.contains(k) for k in keys):  # type: ignore[arg-type]
                         return
             time.sleep(0.1)
         raise RuntimeError(f"the saves of a prompt did not reach {self._path()} in {timeout:.0f} s")

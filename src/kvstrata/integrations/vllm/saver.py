@@ -146,7 +146,7 @@ class BlockSaver:
             shard = rank_key(key, self.rank, self.tp_size)
             start = spec.start_positions[j]
             block = KVBlock(shard, layout.block_tokens, start, blocks[j], namespace=spec.namespace)
-            self.store.put_block(block, priority=priority, namespace=spec.namespace)
+            self.store.blocks.put(block, priority=priority, namespace=spec.namespace)
         EVENTS.emit("save", blocks=n, req_id=spec.req_id, rank=self.rank)
 
 

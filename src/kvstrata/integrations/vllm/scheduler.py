@@ -9,7 +9,7 @@ one vLLM does not hold itself, that the store holds for *every* tensor-parallel 
   them: a worker's load waits for its own pending save of that block);
 * blocks in the store's index (L3: written by this server, an earlier run or another replica);
 * with a remote tier, the blocks no local tier holds are fetched from L4 in one pipelined round
-  trip and written to L3 (``KVStore.prefetch_remote``); a worker that looks before that write
+  trip and written to L3 (``KVStore.blocks.prefetch_remote``); a worker that looks before that write
   lands reads them from L4 itself.
 
 The last prompt token is always left to compute. The hit is only what the index says: a block
@@ -174,7 +174,7 @@ class SchedulerSide:
     # -- what the store holds --------------------------------------------------------------------
     def _stored_source(self, key: BlockKey) -> str | None:
         """Where the store holds every rank's shard of ``key`` (the outermost tier), or None."""
-        levels = [self.store.where(shard) for shard in rank_keys(key, self.tp_size)]
+        levels = [self.store.blocks.where(shard) for shard in rank_keys(key, self.tp_size)]
         if any(level is None for level in levels):
             return None
         return HOST if all(level in (TierLevel.L1, TierLevel.L2) for level in levels) else DISK
@@ -193,11 +193,11 @@ class SchedulerSide:
         fetched: set[BlockKey] | None = None
         for i, key in enumerate(keys):
             source = self.held(key)
-            if source is None and fetched is None and self.store.has_remote:
+            if source is None and fetched is None and self.store.blocks.has_remote:
                 # one pipelined round trip for every shard of the rest that no local tier holds
                 wanted = [shard for k in keys[i:] for shard in rank_keys(k, self.tp_size)]
-                missing = [shard for shard in wanted if not self.store.contains(shard)]
-                fetched = set(missing) if self.store.prefetch_remote(missing) else set()
+                missing = [shard for shard in wanted if not self.store.blocks.contains(shard)]
+                fetched = set(missing) if self.store.blocks.prefetch_remote(missing) else set()
                 source = self._stored_source(key)
             if source is None:
                 break

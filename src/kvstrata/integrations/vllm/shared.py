@@ -110,8 +110,8 @@ def _close(entry: _Entry, drain_timeout_s: float) -> None:
         store = entry.store
         if store.config.write_policy is WritePolicy.WRITE_BACK and not unsaved:
             # write-back keeps blocks in memory only until they leave it: a clean stop writes them
-            store.persist_memory()
-        unwritten = store.wait_writes(max(0.0, deadline - time.monotonic()))
+            store.blocks.persist_memory()
+        unwritten = store.blocks.wait_writes(max(0.0, deadline - time.monotonic()))
         EVENTS.emit("drain", unsaved=unsaved + unwritten, seconds=round(time.monotonic() - started, 3))
         if unsaved or unwritten:
             log.warning(

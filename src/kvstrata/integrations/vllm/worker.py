@@ -148,7 +148,7 @@ class WorkerSide:
             shard = rank_key(key, self.rank, self.tp_size)
             try:
                 self.saver.flush([key])  # this worker may still be saving it
-                found = self.store.lookup(shard, priority=priority)
+                found = self.store.blocks.lookup(shard, priority=priority)
                 if found is None:
                     raise LookupError("not in the store, or it failed verification (the store logs why)")
                 block, _ = found
