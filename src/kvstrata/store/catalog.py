@@ -26,7 +26,7 @@ from kvstrata.errors import (
 from kvstrata.keys import BlockKey
 from kvstrata.priority import Priority
 from kvstrata.store.counters import StoreCounters
-from kvstrata.store.index.session_rows import SessionTable
+from kvstrata.store.index.session_table import SessionTable
 from kvstrata.store.leases import Leases
 from kvstrata.store.remote_mirror import RemoteMirror
 from kvstrata.store.sessions import Session, SessionInfo, validate_session_id

@@ -19,7 +19,7 @@ from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.index import Index
-from kvstrata.store.index.session_rows import SessionTable
+from kvstrata.store.index.session_table import SessionTable
 from kvstrata.store.tiers.base import EncodedUsage, SegmentSpace, Tier
 from kvstrata.tiering import TierLevel
 
