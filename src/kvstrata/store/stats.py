@@ -93,7 +93,15 @@ class StoreStatistics:
         writes fail (None: they do not); ``owns_memory``: this process has memory tiers."""
         self._root = root
         self._layout = layout
-        self._tiers = list(tiers)
+        self._tiers = [
+            (
+                tier,
+                tier if isinstance(tier, EncodedUsage) else None,
+                tier if isinstance(tier, SegmentSpace) else None,
+            )
+            for tier in tiers
+        ]
+        """Each tier with its optional capabilities (checked once, here)."""
         self._counters = counters
         self._index = index
         self._sessions = sessions
@@ -103,9 +111,11 @@ class StoreStatistics:
 
     def live_tiers(self) -> list[TierStats]:
         """This process's figures per local tier (counters not added to the totals)."""
-        return [self._tier_stats(tier) for tier in self._tiers]
+        return [self._tier_stats(*capable) for capable in self._tiers]
 
-    def _tier_stats(self, tier: Tier) -> TierStats:
+    def _tier_stats(
+        self, tier: Tier, encoded: EncodedUsage | None, segments: SegmentSpace | None
+    ) -> TierStats:
         usage = tier.usage()
         c = self._counters.of(tier.level)
         by_codec: dict[str, int] = {}
@@ -113,12 +123,12 @@ class StoreStatistics:
         if tier.level is TierLevel.L1:
             if usage.blocks:
                 by_codec["decoded"] = usage.stored_bytes
-        elif isinstance(tier, EncodedUsage):
-            by_codec = {CodecId(codec).name.lower(): n for codec, n in tier.bytes_by_codec().items()}
-            logical = tier.logical_bytes()
+        elif encoded is not None:
+            by_codec = {CodecId(codec).name.lower(): n for codec, n in encoded.bytes_by_codec().items()}
+            logical = encoded.logical_bytes()
         fragmentation = usage.fragmentation_bytes
-        if isinstance(tier, SegmentSpace):  # L3: the holes deleted blocks left in segments
-            _, file_bytes, live_bytes = tier.segment_space()
+        if segments is not None:  # L3: the holes deleted blocks left in segments
+            _, file_bytes, live_bytes = segments.segment_space()
             fragmentation = max(0, file_bytes - live_bytes)
         return TierStats(
             tier.level.name,
