@@ -82,6 +82,8 @@ def test_token_ids_that_do_not_hash_to_the_block_keys_are_refused_even_under_a_g
         ("seg_offset", -5),
         ("num_tokens", "four"),
         ("num_tokens", 10**6),
+        ("file_id", "ab\x00cd"),  # a NUL: ValueError from the system call if made into a path
+        ("file_id", "../../etc"),  # would leave the store's directory
     ],
 )
 def test_a_damaged_block_row_is_a_corrupt_block_not_a_value_error(
@@ -100,6 +102,51 @@ def test_a_damaged_block_row_is_a_corrupt_block_not_a_value_error(
         assert loaded.num_tokens < len(TOKENS)  # not served from a damaged row
     with pytest.raises(KVStrataError):
         list(store.index.blocks)
+
+
+@pytest.mark.parametrize("name", [b"file_id", b"namespace", b"token_ids"])
+def test_a_schema_whose_text_is_not_utf8_is_a_kvstrata_error_of_one_line(
+    open_store: Factory, tmp_path: Path, name: bytes
+) -> None:
+    """A flipped bit in the schema's text (SQLite stores it unchecked): a column name Python cannot
+    decode raised UnicodeDecodeError from the driver before SQLite saw a query."""
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    data = bytearray((root / "index.sqlite").read_bytes())
+    data[data.index(name) + 2] = 0xFF  # the first mention: in the schema, on the first pages
+    (root / "index.sqlite").write_bytes(bytes(data))
+    with pytest.raises(StoreFormatError) as refused:
+        open_store(root)
+    assert "\n" not in str(refused.value)
+    result = CliRunner().invoke(app, ["sessions", "list", "--store", str(root)])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("table", "column"), [("sessions", "id"), ("blocks", "file_id"), ("meta", "value")])
+def test_a_row_whose_text_is_not_utf8_is_a_kvstrata_error(
+    open_store: Factory, tmp_path: Path, table: str, column: str
+) -> None:
+    """A flipped bit in a TEXT value of a row: refused in one line or the other rows served."""
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    where = "id = 's'" if table == "sessions" else "1"  # one session; every row of the others
+    _update(root, f"UPDATE {table} SET {column} = CAST(? AS TEXT) WHERE {where}", (b"rt-\xa0",))
+    try:
+        store = open_store(root, l1_budget_bytes=0, l2_budget_bytes=0)
+        store.list_sessions()
+        store.stats()
+        for sid, tokens in (("s", TOKENS), ("t", TOKENS[:9])):
+            try:
+                session = store.session(sid)
+                loaded = store.load(session)
+            except KVStrataError as exc:
+                assert "\n" not in str(exc)
+                continue
+            assert session.token_ids == tokens and loaded.num_tokens <= len(tokens)
+        store.close()
+    except KVStrataError as exc:  # refused as a whole: fine, in one line
+        assert "\n" not in str(exc)
 
 
 def _zero_page(root: Path, page: int) -> None:

@@ -5,6 +5,7 @@ damaged row (a value of another type, an unknown codec id, a negative offset) is
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -54,6 +55,10 @@ class Placement(NamedTuple):
 
 
 CODECS = frozenset(int(c) for c in CodecId)
+FILE_ID = re.compile(r"[0-9a-f]{0,64}")
+"""A file id as writers make them (hex: a writer's nonce and a number; '' before format 2): one
+that is not names no file of the store, and is never made into a path (a NUL in it would raise
+``ValueError`` from the system call, a ``/`` would leave the store's directory)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,7 @@ def placement(row: Sequence[Any], limits: RowLimits = RowLimits()) -> Placement:
         and type(num_tokens) is int
         and 0 < num_tokens <= limits.max_tokens
         and isinstance(file_id, str)
+        and FILE_ID.fullmatch(file_id) is not None
         and (offset is None or (type(offset) is int and offset >= 0))
     ):
         raise CorruptBlockError(

@@ -31,6 +31,9 @@ ROW_CRC_FORMAT = 4
 """From this format on, every session row carries its checksum."""
 APPLICATION_ID = 0x4B565354  # "KVST": marks the SQLite file as ours
 _OPEN_TIMEOUT_S = 30.0
+_SQLITE_ERRORS = (sqlite3.Error, UnicodeDecodeError)
+"""What SQLite raises on a damaged file: its own errors, and a name or message of the file that
+is not UTF-8 (a column name in a damaged schema fails to decode before SQLite sees a query)."""
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
 
@@ -53,11 +56,12 @@ class IndexDB:
             else:
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
                 self._prepare(_OPEN_TIMEOUT_S)
-        except sqlite3.DatabaseError as exc:
+        except _SQLITE_ERRORS as exc:
             self._abandon()
+            said = _said(exc)
             if _busy(exc):
-                raise StoreBusyError(f"{path}: the index stayed locked by another process ({exc})") from exc
-            raise StoreFormatError(f"{path}: not a readable kvstrata index ({exc})") from exc
+                raise StoreBusyError(f"{path}: the index stayed locked by another process ({said})") from exc
+            raise StoreFormatError(f"{path}: not a readable kvstrata index ({said})") from exc
         except BaseException:
             self._abandon()
             raise
@@ -69,18 +73,20 @@ class IndexDB:
                 self._db.close()
         self.closed = True
 
-    def translate(self, exc: sqlite3.Error) -> KVStrataError:
+    def translate(self, exc: sqlite3.Error | UnicodeDecodeError) -> KVStrataError:
         """The kvstrata error for an SQLite error met while using the index: a lock held too long
-        is a busy store, a full or failing disk an unavailable tier, anything else damage."""
+        is a busy store, a full or failing disk an unavailable tier, anything else damage. Its
+        message is one line (SQLite's quotes a damaged schema with its line breaks)."""
+        said = _said(exc)
         if _busy(exc):
-            return StoreBusyError(f"{self.path}: the index is locked by another process ({exc})")
-        text = str(exc).lower()
+            return StoreBusyError(f"{self.path}: the index is locked by another process ({said})")
+        text = said.lower()
         if "full" in text or "disk i/o" in text or "readonly" in text or "read-only" in text:
-            return TierUnavailableError(f"{self.path}: cannot write the index ({exc})")
+            return TierUnavailableError(f"{self.path}: cannot write the index ({said})")
         if self.closed or "closed" in text:
             return KVStrataError(f"{self.path}: the index was closed")
         return StoreFormatError(
-            f"{self.path}: the index is damaged or not kvstrata's ({exc}); `kvstrata fsck` checks it"
+            f"{self.path}: the index is damaged or not kvstrata's ({said}); `kvstrata fsck` checks it"
         )
 
     def _prepare(self, timeout_s: float) -> None:
@@ -161,7 +167,7 @@ class IndexDB:
     def _translated(self) -> Iterator[None]:
         try:
             yield
-        except sqlite3.Error as exc:
+        except _SQLITE_ERRORS as exc:
             raise self.translate(exc) from exc
 
     def columns(self, table: str) -> set[str]:
@@ -177,11 +183,11 @@ class IndexDB:
             conn = self._conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
+            except _SQLITE_ERRORS as exc:
                 raise self.translate(exc) from exc
             try:
                 yield conn
-            except sqlite3.Error as exc:  # met inside the transaction's body
+            except _SQLITE_ERRORS as exc:  # met inside the transaction's body
                 _rollback(conn)
                 raise self.translate(exc) from exc
             except BaseException:
@@ -189,7 +195,7 @@ class IndexDB:
                 raise
             try:
                 conn.execute("COMMIT")
-            except sqlite3.Error as exc:  # a full disk, a damaged page: nothing committed
+            except _SQLITE_ERRORS as exc:  # a full disk, a damaged page: nothing committed
                 _rollback(conn)
                 raise self.translate(exc) from exc
 
@@ -253,8 +259,13 @@ class IndexDB:
             self.closed = True
             try:
                 self._db.close()
-            except sqlite3.Error as exc:
+            except _SQLITE_ERRORS as exc:
                 raise self.translate(exc) from exc
+
+
+def _said(exc: BaseException) -> str:
+    """SQLite's message on one line."""
+    return " ".join(str(exc).split())
 
 
 def _busy(exc: BaseException) -> bool:
