@@ -20,9 +20,14 @@ PAGE = 4096
 Mutation = Callable[[Path, random.Random, Path], str]
 
 
+DATA_DIRS = ("segments", "hot", "cold", "journal")
+"""Where a store keeps files the index describes or is rebuilt from (``journal``: the sessions'
+journal, where the store has one)."""
+
+
 def data_files(root: Path) -> list[Path]:
-    """Segments and block files (hot and cold) of a store."""
-    found = [p for sub in ("segments", "hot", "cold") for p in (root / sub).rglob("*") if p.is_file()]
+    """Segments, block files (hot and cold) and journal files of a store."""
+    found = [p for sub in DATA_DIRS for p in (root / sub).rglob("*") if p.is_file()]
     return sorted(found)
 
 
@@ -129,6 +134,16 @@ def garbage_wal(root: Path, rng: random.Random, other: Path) -> str:
 
 # -- row-level damage ------------------------------------------------------------------------------
 
+
+class BadText(bytes):
+    """Bytes stored as TEXT without a check (``CAST(? AS TEXT)``): a text value that is not UTF-8,
+    as a flipped bit in a row leaves it."""
+
+
+def _bad_text(r: random.Random) -> BadText:
+    return BadText(r.choice((b"\xff\xfe", b"rt-\xa0", b"\xc3")))
+
+
 _ROW_DAMAGE: dict[str, list[tuple[str, Callable[[random.Random], object]]]] = {
     "sessions": [
         ("token_ids", lambda r: r.randbytes(r.choice((4, 40, 77)))),
@@ -143,15 +158,17 @@ _ROW_DAMAGE: dict[str, list[tuple[str, Callable[[random.Random], object]]]] = {
         ("lineage", lambda r: r.choice((r.randbytes(16), b"short"))),
         ("row_crc", lambda r: r.choice((None, 0, "crc"))),
         ("sealed", lambda r: r.choice((0, 1, 2))),
-        ("id", lambda r: r.choice(("renamed", "rt-a"))),
+        ("id", lambda r: r.choice(("renamed", "rt-a", _bad_text(r)))),
+        ("namespace", lambda r: r.choice(("other", _bad_text(r)))),
     ],
     "blocks": [
         ("codec", lambda r: r.choice((99, -1, "int8", None))),
         ("nbytes", lambda r: r.choice((0, -3, 1 << 40, 17))),
         ("num_tokens", lambda r: r.choice((0, 5, -1, "four"))),
         ("start_pos", lambda r: r.choice((-4, 1 << 40, "zero"))),
-        ("seg_offset", lambda r: r.choice((None, -1, 17, 1 << 40))),
-        ("file_id", lambda r: r.choice(("", "0" * 16, "../../etc", "nope"))),
+        ("seg_offset", lambda r: r.choice((None, -1, 17, 1 << 40, "far"))),
+        ("file_id", lambda r: r.choice(("", "0" * 16, "../../etc", "nope", "ab\x00cd", _bad_text(r)))),
+        ("namespace", lambda r: r.choice(("other", None, 5, _bad_text(r)))),
         ("cold", lambda r: r.choice((0, 1, 7))),
         ("key", lambda r: r.randbytes(32)),
     ],
@@ -159,9 +176,15 @@ _ROW_DAMAGE: dict[str, list[tuple[str, Callable[[random.Random], object]]]] = {
         ("data", lambda r: r.randbytes(12)),
         ("crc", lambda r: r.choice((0, None, "x"))),
         ("sealed", lambda r: r.choice((0, 1, 5))),
+        ("name", lambda r: r.choice(("other", _bad_text(r)))),
+    ],
+    "block_usage": [
+        ("blocks", lambda r: r.choice((-1, 1 << 40, "many", None))),
+        ("bytes", lambda r: r.choice((-1, 1 << 62, "lots", 2.5))),
+        ("namespace", lambda r: r.choice(("other", _bad_text(r)))),
     ],
     "meta": [
-        ("value", lambda r: r.choice(("", "{", "99", "-1", '{"num_layers": 2}'))),
+        ("value", lambda r: r.choice(("", "{", "99", "-1", '{"num_layers": 2}', _bad_text(r)))),
     ],
 }
 
@@ -178,7 +201,11 @@ def damage_row(root: Path, rng: random.Random, other: Path) -> str:
             if not keys and not rows:
                 return f"no rows in {table}"
             where, args = rng.choice(keys)
-            db.execute(f"UPDATE OR IGNORE {table} SET {column} = ? WHERE {where}", (value, *args))
+            if isinstance(value, BadText):
+                mark, value = "CAST(? AS TEXT)", bytes(value)
+            else:
+                mark = "?"
+            db.execute(f"UPDATE OR IGNORE {table} SET {column} = {mark} WHERE {where}", (value, *args))
     except sqlite3.Error as exc:  # the damage itself could not be made (a constraint): none made
         return f"row damage of {table}.{column} not made: {exc}"
     return f"{table}.{column} of one row set to {value!r:.40}"
@@ -196,6 +223,8 @@ def _row_keys(db: sqlite3.Connection, table: str) -> list[tuple[str, tuple[objec
             ("namespace = ? AND session_id = ? AND name = ?", tuple(r))
             for r in db.execute("SELECT namespace, session_id, name FROM session_documents")
         ]
+    if table == "block_usage":
+        return [("namespace = ?", (r[0],)) for r in db.execute("SELECT namespace FROM block_usage")]
     return [("name = ?", (r[0],)) for r in db.execute("SELECT name FROM meta")]
 
 
@@ -210,9 +239,10 @@ def forge_session_tokens(root: Path, rng: random.Random, other: Path) -> str:
         if not stored:
             return "forge: no session in the clear"
         values = list(rng.choice(stored))
-        tokens = bytearray(values[COLUMNS.index("token_ids")])
-        if not tokens:
-            return "forge: an empty session"
+        stored_ids = values[COLUMNS.index("token_ids")]
+        if not isinstance(stored_ids, bytes) or not stored_ids:  # an earlier mutation's damage
+            return f"forge: session {values[1]!r:.40} has no token ids to change"
+        tokens = bytearray(stored_ids)
         at = rng.randrange(len(tokens))
         tokens[at] ^= 1 << rng.randrange(8)
         values[COLUMNS.index("token_ids")] = bytes(tokens)
