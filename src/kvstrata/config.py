@@ -120,6 +120,10 @@ class NamespaceQuota:
         return (self.l1_bytes, self.l2_bytes, self.l3_bytes)[level - 1] if 1 <= level <= 3 else None
 
 
+DURABILITY = ("fast", "strict")
+"""``StoreConfig.durability``: whether an index commit returns before it is synced (fast) or after."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     l1_budget_bytes: int = 256 * MiB
@@ -162,6 +166,13 @@ class StoreConfig:
     derived per namespace (``KVSTRATA_ENCRYPTION_KEY`` in the CLI). None: stored in the clear."""
     remote: RemoteConfig | None = None
     """The shared L4 tier on Redis (``--remote URL`` / ``KVSTRATA_REMOTE``); None: local only."""
+    durability: str = "fast"
+    """What a commit waits for (``DURABILITY``). ``"fast"``: data files and their directory
+    entries are synced before the index commits that name them, but an index commit is not synced
+    itself: a process crash loses nothing a checkpoint returned, a power loss or OS crash may roll
+    the index back to an earlier checkpoint of recent sessions (``kvstrata fsck --rebuild`` brings
+    them back from the session journal). ``"strict"``: every index commit is synced too, so a
+    checkpoint that returned survives a power loss. See README "On disk, and what survives a crash"."""
 
     def __post_init__(self) -> None:
         for name in ("l1_budget_bytes", "l2_budget_bytes"):
@@ -196,6 +207,8 @@ class StoreConfig:
             raise ConfigError("writer_queue_bytes must be positive")
         if self.writer_bandwidth_bytes_per_s is not None and self.writer_bandwidth_bytes_per_s <= 0:
             raise ConfigError("writer_bandwidth_bytes_per_s must be positive or None")
+        if self.durability not in DURABILITY:
+            raise ConfigError(f"durability must be one of {', '.join(DURABILITY)}, got {self.durability!r}")
         object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
 
     @classmethod

@@ -26,6 +26,11 @@ class StoreFormatError(KVStrataError):
     """A store directory or index is foreign, from an unknown format version, or unreadable."""
 
 
+class IndexBehindError(StoreFormatError):
+    """The index may not describe every data file (older than them, or rebuilt and not yet
+    checked): maintenance that deletes files waits for ``kvstrata fsck``."""
+
+
 class StoreBusyError(KVStrataError):
     """Another process holds what this one asked for (a session's lease, a maintenance lock)."""
 

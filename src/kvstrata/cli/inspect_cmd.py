@@ -23,7 +23,14 @@ from rich.table import Table
 from kvstrata.cli.common import JsonOption, console, err_console, fail, print_json
 from kvstrata.codecs import CodecId
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatchError
-from kvstrata.store.kvbin import HEADER_BYTES, decode_record, parse_header, sealed_namespace
+from kvstrata.store.kvbin import (
+    HEADER_BYTES,
+    KIND_SEGMENT_INFO,
+    decode_record,
+    parse_header,
+    sealed_namespace,
+)
+from kvstrata.store.recovery.records import read_file_info
 from kvstrata.store.tiers.disk.files import SEGMENT_SUFFIX
 
 MAX_RECORD_BYTES = 1 << 30
@@ -86,7 +93,7 @@ def _read_record(fd: int, offset: int, size: int, file: Path) -> bytes | str:
     be read as one when it cannot."""
     head = os.pread(fd, HEADER_BYTES, offset)
     try:
-        header = parse_header(head, file)
+        header = parse_header(head, file, kind=None)  # a segment ends with its info record
     except CorruptBlockError as exc:
         return exc.reason
     total = header.total_bytes
@@ -152,12 +159,21 @@ def _inspect_segment(file: Path, fd: int, size: int, json_out: bool) -> None:
     live), each verified on its own; exit 1 if any is damaged or the file does not parse."""
     records: list[dict[str, object]] = []
     damaged: list[str] = []
+    segment_info: dict[str, object] | None = None
     offset = 0
     while offset < size:
         record = _read_record(fd, offset, size, file)
         if isinstance(record, str):
             damaged.append(f"offset {offset}: {record} (the rest of the file cannot be walked)")
             break
+        if parse_header(record, file, kind=None).kind == KIND_SEGMENT_INFO:  # the store it belongs to
+            try:
+                found = read_file_info(record, KIND_SEGMENT_INFO, file)
+                segment_info = {"offset": offset, "store_id": found.store_id, "seq": found.seq}
+            except CorruptBlockError as exc:
+                damaged.append(f"offset {offset}: {exc.reason}")
+            offset += len(record)
+            continue
         info = _record_info(record, file)
         if isinstance(info, str):
             damaged.append(f"offset {offset}: {info}")
@@ -165,9 +181,10 @@ def _inspect_segment(file: Path, fd: int, size: int, json_out: bool) -> None:
         records.append({"offset": offset, "bytes": len(record), **info})
         offset += len(record)
     if json_out:
-        print_json({"file": str(file), "records": records, "damaged": damaged})
+        print_json({"file": str(file), "records": records, "damaged": damaged, "segment_info": segment_info})
     else:
-        table = Table(title=f"{file} (segment: {len(records)} records)")
+        store = f", store {str(segment_info['store_id'])[:12]}" if segment_info is not None else ""
+        table = Table(title=f"{file} (segment: {len(records)} records{store})")
         for col in ("offset", "bytes", "key", "tokens", "codec", "sealed for", "crc32c"):
             table.add_column(col, justify="left" if col in ("key", "codec", "sealed for") else "right")
         for r in records:

@@ -17,6 +17,7 @@ from kvstrata.cli.chat_cmd import chat
 from kvstrata.cli.common import fail
 from kvstrata.cli.demo_cmd import store_demo
 from kvstrata.cli.eval_cmd import eval_app
+from kvstrata.cli.fsck_cmd import fsck
 from kvstrata.cli.inspect_cmd import inspect
 from kvstrata.cli.serve_cmd import serve
 from kvstrata.cli.sessions_cmds import sessions_app
@@ -72,6 +73,7 @@ app = typer.Typer(
 )
 app.command()(inspect)
 app.command()(gc)
+app.command()(fsck)
 app.command()(demo)
 app.command()(chat)
 app.command()(serve)

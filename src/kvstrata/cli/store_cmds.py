@@ -97,14 +97,23 @@ def gc(
     compact_holes: Annotated[
         float, typer.Option(help="With --compact: the share of holes from which a segment is rewritten.")
     ] = 0.5,
+    grace_minutes: Annotated[
+        float,
+        typer.Option(
+            help="Files and blocks younger than this are never deleted (another process may be about "
+            "to commit them)."
+        ),
+    ] = 10.0,
     json_out: JsonOption = False,
 ) -> None:
     """Age blocks to cold/, expire sessions (TTL, retention), delete unreferenced blocks; with
-    --compact, rewrite mostly empty L3 segments."""
+    --compact, rewrite mostly empty L3 segments. Deletes nothing while the index may not know every
+    data file (an older copy, or a rebuild not yet checked by ``kvstrata fsck``)."""
     for flag, value in (
         ("--cold-after-days", cold_after_days),
         ("--retention-days", retention_days),
         ("--unreferenced-hours", unreferenced_hours),
+        ("--grace-minutes", grace_minutes),
     ):
         if not value >= 0:  # NaN and infinities are refused before any command runs (main.py)
             fail(f"{flag} must be a duration of 0 or more, got {value}")
@@ -116,6 +125,7 @@ def gc(
             cold_after_days * DAY_S,
             retention_days * DAY_S,
             unreferenced_hours * 3600.0,
+            grace_s=grace_minutes * 60.0,
             compact_hole_fraction=compact_holes if compact else None,
         )
         report = kv.maintenance.collect_garbage(config)

@@ -28,6 +28,7 @@ from kvstrata.priority import Priority
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.index.session_table import SessionTable
 from kvstrata.store.leases import Leases
+from kvstrata.store.recovery.journal import SessionJournal
 from kvstrata.store.remote_mirror import RemoteMirror
 from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
 
@@ -41,6 +42,7 @@ class SessionCatalog:
         self,
         table: SessionTable,
         leases: Leases | None,
+        journal: SessionJournal,
         *,
         model_fingerprint: bytes,
         remote: RemoteMirror | None,
@@ -50,11 +52,13 @@ class SessionCatalog:
         location: str = "",
     ) -> None:
         """``table``: the index's session rows; ``leases``: this process's (None: a read-only
-        store, which changes nothing); ``age_out``: the re-encoder's, told of the recent blocks
+        store, which changes nothing); ``journal``: where each commit and deletion is also written
+        (what a rebuild of the index reads); ``age_out``: the re-encoder's, told of the recent blocks
         of a deleted session (``recent_blocks`` of them); ``location``: the store's root, for
         messages."""
         self._table = table
         self._leases = leases
+        self._journal = journal
         self.model_fingerprint = model_fingerprint
         self._remote = remote
         self._counters = counters
@@ -209,7 +213,9 @@ class SessionCatalog:
         """Commit the session's row by compare-and-set on the version this process last saw
         (``SessionConflictError`` when another process committed since); the ``required`` block
         keys that have no row are returned instead (nothing written)."""
-        missing = self._table.commit(session.to_row(), session.committed_version, required)
+        missing = self._table.commit(
+            session.to_row(), session.committed_version, required, journal=self._journal.record
+        )
         if not missing:
             session.committed_version = session.version
         return missing
@@ -225,7 +231,7 @@ class SessionCatalog:
                 self._age_out(k for k in session.block_keys[-window:] if k not in live)
             if self._remote is not None:
                 self._remote.delete_manifest(namespace, session_id)
-            return self._table.delete(namespace, session_id)
+            return self._table.delete(namespace, session_id, journal=self._journal.record_deletion)
 
     # -- leases ----------------------------------------------------------------------------------
     def writable(self) -> Leases:

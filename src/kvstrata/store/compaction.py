@@ -28,6 +28,8 @@ from kvstrata.errors import CorruptBlockError, EncryptionKeyError, LayoutMismatc
 from kvstrata.layout import KVLayout
 from kvstrata.store.index.block_rows import BlockTable
 from kvstrata.store.kvbin import decode_record
+from kvstrata.store.recovery.identity import seq_of
+from kvstrata.store.recovery.records import segment_info_parts, trailing_info_bytes
 from kvstrata.store.tiers.disk.cache import PlacementCache
 from kvstrata.store.tiers.disk.fileio import PendingSegment, read_range, write_segment
 from kvstrata.store.tiers.disk.files import DiskFiles
@@ -125,13 +127,17 @@ class Compactor:
             return None
         new_id = self._files.new_id()
         final = self._files.segment_path(new_id)
-        segment = PendingSegment(self._files.temp_for(final), final, records, [])
+        # the new segment ends with its info record too (the store's id; namespaces not recorded)
+        info = segment_info_parts(
+            self._files.store_id, seq_of(new_id) or 0, [None] * len(records), layout_fingerprint
+        )
+        segment = PendingSegment(self._files.temp_for(final), final, [*records, info], [])
         write_segment(segment)
         if segment.error is not None:
             raise segment.error
         moves = [
             (key, segment_id, old_offset, new_id, new_offset)
-            for (key, old_offset), new_offset in zip(kept, segment.offsets, strict=True)
+            for (key, old_offset), new_offset in zip(kept, segment.offsets[: len(kept)], strict=True)
         ]
         done = self._blocks.move_to_segment(moves)
         for key in done:
@@ -140,5 +146,5 @@ class Compactor:
             final.unlink(missing_ok=True)
             return None
         if self._blocks.segment_refs(segment_id) == 0:
-            old_path.unlink(missing_ok=True)
-        return final.stat().st_size, len(done), skipped
+            self._files.remove_segment(segment_id)
+        return final.stat().st_size - trailing_info_bytes(final), len(done), skipped

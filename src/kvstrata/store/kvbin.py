@@ -9,6 +9,11 @@ Layout (little-endian)::
     payload            the encoded K then V
     trailer (4 bytes)  CRC32C of everything before it
 
+Besides blocks (kind 1) the store writes records of its own in the same format, each checked the
+same way: a session's manifest in the session journal (kind 2), the info record that ends a
+segment (kind 3) and the header of a journal file (kind 4); see :mod:`kvstrata.store.recovery`.
+A reader asks for the kind it expects, so no other record is ever taken for a block.
+
 An encrypted record (flag bit 0) keeps the header in the clear and carries, as its params,
 ``KVE1`` + nonce + the namespace whose key sealed it, and as its payload the AES-GCM sealing of
 (original params length, original params, original payload); see ``kvstrata.crypto``. Its CRC32C
@@ -40,6 +45,13 @@ from kvstrata.store._native_crc import crc32c_of
 MAGIC = b"\x89KVBIN\r\n"
 FORMAT_VERSION = 1
 KIND_BLOCK = 1
+KIND_MANIFEST = 2
+"""A session's manifest (or its deletion) in the session journal (:mod:`kvstrata.store.recovery`)."""
+KIND_SEGMENT_INFO = 3
+"""The last record of a segment: the store it belongs to and the namespace of each block record."""
+KIND_JOURNAL_HEADER = 4
+"""The first record of a journal file: the store it belongs to and the store's layout."""
+RECORD_KINDS = frozenset({KIND_BLOCK, KIND_MANIFEST, KIND_SEGMENT_INFO, KIND_JOURNAL_HEADER})
 FLAG_ENCRYPTED = 1
 _SEALED_MAGIC = b"KVE1"
 _HEADER = struct.Struct(f"<8sHHBBH{LAYOUT_FINGERPRINT_BYTES}s{KEY_BYTES}sIIIQQ")
@@ -73,8 +85,12 @@ class RecordHeader:
         return HEADER_BYTES + self.params_len + self.payload_len + TRAILER_BYTES
 
 
-def _aad(key: bytes, layout_fingerprint: bytes, codec: int, num_tokens: int, start_pos: int) -> bytes:
-    return key + layout_fingerprint + struct.pack("<BII", codec, num_tokens, start_pos)
+def _aad(
+    key: bytes, layout_fingerprint: bytes, codec: int, num_tokens: int, start_pos: int, kind: int = KIND_BLOCK
+) -> bytes:
+    # a record of another kind also binds its kind, so a sealed manifest never opens as a block
+    tail = b"" if kind == KIND_BLOCK else struct.pack("<B", kind)
+    return key + layout_fingerprint + struct.pack("<BII", codec, num_tokens, start_pos) + tail
 
 
 def encode_record(key: BlockKey, block: EncodedBlock, layout_fingerprint: bytes, **options: Any) -> bytes:
@@ -93,17 +109,19 @@ def record_parts(
     keyring: Keyring | None = None,
     namespace: str | None = None,
     checksum: bool = True,
+    kind: int = KIND_BLOCK,
 ) -> list[bytes | memoryview]:
     """The record as its four parts (header, params, payload, trailer), the payload not copied:
     what ``os.writev`` writes to a file in one call. ``checksum=False``: the first three only,
-    for a writer that computes the trailer (:func:`record_trailer`) as it copies them."""
+    for a writer that computes the trailer (:func:`record_trailer`) as it copies them. ``kind``:
+    a block, or one of the store's own records (the session journal, a segment's info)."""
     params, payload, flags = block.params, block.payload, 0
     if keyring is not None:
         if namespace is None:
             raise EncryptionKeyError(
                 "this store encrypts at rest: a block must be written with its namespace"
             )
-        aad = _aad(key, layout_fingerprint, int(block.codec), block.num_tokens, start_pos)
+        aad = _aad(key, layout_fingerprint, int(block.codec), block.num_tokens, start_pos, kind)
         inner = struct.pack("<I", len(block.params)) + block.params + block.payload
         nonce, payload = keyring.seal(namespace, aad, inner)
         ns = namespace.encode()
@@ -113,7 +131,7 @@ def record_parts(
         MAGIC,
         FORMAT_VERSION,
         HEADER_BYTES,
-        KIND_BLOCK,
+        kind,
         int(block.codec),
         flags,
         layout_fingerprint,
@@ -137,12 +155,16 @@ def record_trailer(crc: int) -> bytes:
     return _TRAILER.pack(crc)
 
 
-def parse_header(data: bytes | memoryview, path: Path | str | None = None) -> RecordHeader:
-    """Parse and sanity-check the header; does not verify the CRC (see ``decode_record``)."""
+def parse_header(
+    data: bytes | memoryview, path: Path | str | None = None, *, kind: int | None = KIND_BLOCK
+) -> RecordHeader:
+    """Parse and sanity-check the header; does not verify the CRC (see ``decode_record``).
+    ``kind``: the record kind expected (None: any kind this build knows)."""
     if len(data) < HEADER_BYTES:
         raise CorruptBlockError(
             f"truncated: {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header", path
         )
+    expected_kind = kind
     fields = _HEADER.unpack_from(data, 0)
     magic, version, header_len, kind, codec, flags, layout_fp, key, ntok, start, plen, paylen, created = (
         fields
@@ -155,8 +177,12 @@ def parse_header(data: bytes | memoryview, path: Path | str | None = None) -> Re
         )
     if header_len != HEADER_BYTES:
         raise CorruptBlockError(f"bad header length {header_len}", path)
-    if kind != KIND_BLOCK:
-        raise CorruptBlockError(f"record kind {kind} is not a block", path)
+    if kind not in RECORD_KINDS:
+        raise CorruptBlockError(f"unknown record kind {kind}", path)
+    if expected_kind is not None and kind != expected_kind:
+        raise CorruptBlockError(
+            f"record kind {kind} is not a {'block' if expected_kind == KIND_BLOCK else expected_kind}", path
+        )
     return RecordHeader(
         version, kind, codec, flags, layout_fp, BlockKey(key), ntok, start, plen, paylen, created
     )
@@ -169,10 +195,12 @@ def decode_record(
     expected_key: bytes | None = None,
     expected_layout: bytes | None = None,
     keyring: Keyring | None = None,
+    kind: int | None = KIND_BLOCK,
 ) -> tuple[RecordHeader, EncodedBlock]:
     """Validate a whole record (lengths, CRC32C, key, layout, codec) and return its block,
-    opened with ``keyring`` when it is encrypted (``EncryptionKeyError`` without one)."""
-    header = parse_header(data, path)
+    opened with ``keyring`` when it is encrypted (``EncryptionKeyError`` without one). ``kind``:
+    the record kind expected (None: any kind)."""
+    header = parse_header(data, path, kind=kind)
     if len(data) != header.total_bytes:
         raise CorruptBlockError(
             f"length mismatch: file has {len(data)} bytes, header describes {header.total_bytes}"
@@ -230,7 +258,9 @@ def _open_sealed(
         raise EncryptionKeyError(
             f"{path or 'record'}: encrypted for namespace {namespace!r}; no key is configured"
         )
-    aad = _aad(header.key, header.layout_fingerprint, header.codec, header.num_tokens, header.start_pos)
+    aad = _aad(
+        header.key, header.layout_fingerprint, header.codec, header.num_tokens, header.start_pos, header.kind
+    )
     inner = keyring.open(namespace, nonce, aad, payload, str(path) if path is not None else None)
     (inner_params_len,) = struct.unpack_from("<I", inner, 0)
     if 4 + inner_params_len > len(inner):
@@ -249,17 +279,18 @@ def read_record_file(path: Path, **expect: bytes | None) -> tuple[RecordHeader, 
 
 
 def scan_records(data: bytes | memoryview, path: Path | str | None = None) -> list[tuple[int, RecordHeader]]:
-    """(offset, header) of each record of a segment file's bytes, back to back from offset 0
-    (``CorruptBlockError`` where a header does not parse or a record runs past the end). A
-    segment keeps the records of deleted blocks until it is compacted: the index says which
-    ones are live."""
+    """(offset, header) of each block record of a segment file's bytes, back to back from offset
+    0 (``CorruptBlockError`` where a header does not parse or a record runs past the end); the
+    segment's info record is passed over. A segment keeps the records of deleted blocks until it
+    is compacted: the index says which ones are live."""
     view = memoryview(data)
     found: list[tuple[int, RecordHeader]] = []
     offset = 0
     while offset < len(view):
-        header = parse_header(view[offset:], path)
+        header = parse_header(view[offset:], path, kind=None)
         if offset + header.total_bytes > len(view):
             raise CorruptBlockError(f"record at offset {offset} runs past the end of the file", path)
-        found.append((offset, header))
+        if header.kind == KIND_BLOCK:
+            found.append((offset, header))
         offset += header.total_bytes
     return found

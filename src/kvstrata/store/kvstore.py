@@ -42,6 +42,7 @@ from kvstrata.store.index import Index
 from kvstrata.store.keycheck import check_encryption_key
 from kvstrata.store.opening import open_parts
 from kvstrata.store.processes import ProcessRegistry
+from kvstrata.store.recovery.opening import open_index
 from kvstrata.store.roots import INDEX_FILE
 from kvstrata.store.session_io import LoadedKV
 from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
@@ -81,7 +82,7 @@ class KVStore:
             self.config = config or StoreConfig()
             key = self.config.encryption_key
             keyring = Keyring(key) if key is not None else None
-            self.index = Index(self.root / INDEX_FILE, layout, read_only=read_only, keyring=keyring)
+            self.index = open_index(self.root, layout, self.config, read_only=read_only, keyring=keyring)
             self.layout = self.index.layout
             self.model_fingerprint = model_fingerprint
             check_encryption_key(self.root, self.index, self.config.encryption_key, read_only=read_only)
@@ -110,6 +111,7 @@ class KVStore:
         self.maintenance = parts.maintenance
         self.archives = parts.archives
         self._statistics = parts.statistics
+        self._journal = parts.journal
         self._rows = self.index.blocks
         self.open_seconds = time.perf_counter() - started
 
@@ -123,6 +125,7 @@ class KVStore:
         # over anyway and a full disk must not turn a reader's clean exit into an error.
         try:
             self.tiered.close()
+            self._journal.close()
             if self.processes is not None:
                 try:
                     self._statistics.persist(self.open_seconds)

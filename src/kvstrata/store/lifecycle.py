@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvstrata.codecs import get_codec, loss_rank
 from kvstrata.config import GcConfig
-from kvstrata.errors import KVStrataError, SessionBusyError, StoreBusyError
+from kvstrata.errors import IndexBehindError, KVStrataError, SessionBusyError, StoreBusyError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.policy.ladder import CodecLadder
@@ -42,6 +42,8 @@ from kvstrata.store.durability import DiskWriter
 from kvstrata.store.index import Index
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.processes import ProcessRegistry
+from kvstrata.store.recovery.guard import GcGuard
+from kvstrata.store.recovery.records import trailing_info
 from kvstrata.store.tiers.disk import DiskTier, parse_file_name
 
 _LIVE_WRITER_GRACE_S = 3600.0
@@ -84,9 +86,12 @@ class Maintenance:
         *,
         processes: ProcessRegistry | None,
         flush: Callable[[], None],
+        guard: Callable[[], GcGuard],
     ) -> None:
         """``index``: its block and session rows; ``processes``: who has the store open (files of
-        a live writer are left alone); ``flush``: the store's (queued writes land first)."""
+        a live writer are left alone); ``flush``: the store's (queued writes land first);
+        ``guard``: what the index may decide about the data files, asked at the start of each
+        pass (:mod:`.recovery.guard`)."""
         self._root = root
         self._layout = layout
         self._ladder = ladder
@@ -99,6 +104,7 @@ class Maintenance:
         self._sessions = index.sessions
         self._processes = processes
         self._flush = flush
+        self._guard = guard
         self._compactor = Compactor(disk.files, disk.cache, index.blocks, layout, disk.records.keyring)
 
     @contextlib.contextmanager
@@ -123,9 +129,13 @@ class Maintenance:
         with self.maintenance_lock():
             self._flush()
             self._blocks.flush_access()
+            # an index that may not have seen every data file decides nothing about them
+            guard = self._guard()
+            if guard.refused is not None:
+                raise IndexBehindError(f"gc on {self._root}: {guard.refused}")
             deleted, busy = self._expire_sessions(config, now)
             self._documents.sweep_orphans()  # of sessions deleted by a fork cut short or an older build
-            doomed = self._delete_unreferenced(now - max(config.unreferenced_after_s, config.grace_s))
+            doomed = self._delete_unreferenced(now - max(config.unreferenced_after_s, config.grace_s), guard)
             bytes_freed = sum(placement.nbytes for placement in doomed.values())
             for key, placement in doomed.items():  # rows are gone: now their files
                 self._disk.unlink_removed(key, placement)
@@ -133,7 +143,7 @@ class Maintenance:
             compacted = None
             if config.compact_hole_fraction is not None:
                 compacted = self._compactor.compact(config.compact_hole_fraction)
-            orphans = self._remove_orphans(now - config.grace_s)
+            orphans = self._remove_orphans(now - config.grace_s, guard)
             swept = self._processes.sweep() if self._processes is not None else 0  # dead processes' locks
         return GcReport(
             deleted,
@@ -164,13 +174,14 @@ class Maintenance:
                 deleted += 1
         return deleted, busy
 
-    def _delete_unreferenced(self, older_than: float) -> dict[BlockKey, Placement]:
+    def _delete_unreferenced(self, older_than: float, guard: GcGuard) -> dict[BlockKey, Placement]:
         live = {key for session in self._catalog.live() for key in session.all_keys()}
         sessions = self._sessions
 
         def referenced(db: sqlite3.Connection) -> set[bytes]:
-            # a damaged session row raises here: nothing is deleted on the word of a damaged index
-            return set(live) | sessions.referenced_keys(db)  # live: since their checkpoint
+            # a damaged session row raises here: nothing is deleted on the word of a damaged index;
+            # guard.protected: named by a session's newest journaled checkpoint
+            return set(live) | guard.protected | sessions.referenced_keys(db)  # live: since their checkpoint
 
         return self._blocks.delete_unreferenced(referenced, older_than)
 
@@ -203,24 +214,30 @@ class Maintenance:
                 moved += self._disk.set_cold(row.key, True)
         return moved, archived
 
-    def _remove_orphans(self, older_than: float) -> int:
+    def _remove_orphans(self, older_than: float, guard: GcGuard) -> int:
         """Block files and segments the index does not name (a write that crashed before its commit,
         a segment whose last block went while a reader still had it). A file of a process
         that still has the store open may be a write between its rename and its commit: it is left
-        alone (for an hour at most); so are files younger than the grace period."""
+        alone (for an hour at most); so are files younger than the grace period, files the index
+        cannot have seen (``guard``: newer than every file it names), files holding blocks of a
+        journaled checkpoint and segments of another store."""
         orphans = 0
         registry = self._processes
-        for path, cold in self._files.iter_files():
+        for path, _ in self._files.iter_files():
             parsed = parse_file_name(path.name)
             file_id = ""
             if parsed is not None:
                 key, file_id = parsed
                 placement = self._blocks.placement(key)  # the index, not this process's cache
-                if placement is not None and (placement.cold, placement.file_id) == (cold, file_id):
+                # the same file under the other of hot/ and cold/: a move whose index update a
+                # crash undid; the read path finds it there
+                if placement is not None and placement.file_id == file_id and not placement.in_segment:
                     continue
             try:
                 mtime = path.stat().st_mtime
-                if mtime >= older_than:
+                if mtime >= older_than or not guard.may_remove_file(file_id, mtime):
+                    continue
+                if guard.holds_protected(path, parsed[0] if parsed is not None else None):
                     continue
                 writer = file_id[:8]
                 live = writer and registry is not None and registry.alive_nonce(writer)
@@ -235,7 +252,11 @@ class Maintenance:
                 continue
             try:
                 mtime = path.stat().st_mtime
-                if mtime >= older_than:
+                if mtime >= older_than or not guard.may_remove_file(segment_id or "", mtime):
+                    continue
+                if guard.foreign(trailing_info(path)[1]):
+                    continue  # copied in from another store: fsck reports it; not ours to delete
+                if guard.holds_protected(path):
                     continue
                 writer = (segment_id or "")[:8]
                 live = writer and registry is not None and registry.alive_nonce(writer)

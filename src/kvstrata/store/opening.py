@@ -5,6 +5,9 @@ evictor), then the placement over them (:class:`~kvstrata.store.placement.Tiered
 parts ``KVStore`` is a façade of: the session catalogue with its leases, session I/O, block
 access, documents, statistics, maintenance (gc) and archives. The only late binding: the evictor
 asks the catalogue (built after the tiers) which blocks this process's sessions still need.
+Every session commit and deletion is also written to this process's session journal
+(:mod:`.recovery.journal`, what a rebuild of the index reads), opened once the disk tier's files
+exist (they learn the store's id from it); gc asks :mod:`.recovery.guard` what it may delete.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from kvstrata.store.leases import Leases
 from kvstrata.store.lifecycle import Maintenance
 from kvstrata.store.placement import TieredStore
 from kvstrata.store.processes import ProcessRegistry
+from kvstrata.store.recovery.guard import gc_guard
+from kvstrata.store.recovery.journal import SessionJournal
+from kvstrata.store.recovery.opening import open_journal
 from kvstrata.store.session_io import SessionIO
 from kvstrata.store.stats import StoreStatistics
 from kvstrata.store.tiers.building import build_tiers
@@ -47,6 +53,7 @@ class StoreParts:
     statistics: StoreStatistics
     maintenance: Maintenance
     archives: Archives
+    journal: SessionJournal
 
 
 def open_parts(
@@ -89,6 +96,8 @@ def open_parts(
     memory, disk, remote = build_tiers(
         root, layout, index, config, read_only=read_only, processes=processes, evictor=evictor
     )
+    keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
+    journal = open_journal(root, index, processes, keyring, disk.files)
     tiered = TieredStore(
         layout,
         config,
@@ -102,6 +111,7 @@ def open_parts(
     catalog = SessionCatalog(
         index.sessions,
         Leases(index.leases, processes) if processes is not None else None,
+        journal,
         model_fingerprint=model_fingerprint,
         remote=tiered.remote,
         counters=counters,
@@ -110,7 +120,6 @@ def open_parts(
         location=str(root),
     )
     found = catalog.find
-    keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
     documents = SessionDocuments(
         index.documents,
         keyring,
@@ -166,6 +175,7 @@ def open_parts(
         index,
         processes=processes,
         flush=tiered.flush,
+        guard=functools.partial(gc_guard, root, index, keyring),
     )
     archives = Archives(
         layout,
@@ -177,4 +187,6 @@ def open_parts(
         root_key=keys_from,
         encryption_key=config.encryption_key,
     )
-    return StoreParts(tiered, disk, catalog, io, blocks, documents, statistics, maintenance, archives)
+    return StoreParts(
+        tiered, disk, catalog, io, blocks, documents, statistics, maintenance, archives, journal
+    )

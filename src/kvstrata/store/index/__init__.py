@@ -41,12 +41,19 @@ log = logging.getLogger(__name__)
 
 class Index:
     def __init__(
-        self, path: Path, layout: KVLayout | None, *, read_only: bool = False, keyring: Keyring | None = None
+        self,
+        path: Path,
+        layout: KVLayout | None,
+        *,
+        read_only: bool = False,
+        keyring: Keyring | None = None,
+        synchronous: str = "NORMAL",
     ) -> None:
         """``keyring``: the store's key, which seals the session rows' token ids (see
         :mod:`.session_codec`); rows stored in the clear are sealed by ``sessions.seal_all`` once
-        the key has been checked (:mod:`kvstrata.store.keycheck`)."""
-        self.db = IndexDB(path, read_only=read_only)
+        the key has been checked (:mod:`kvstrata.store.keycheck`). ``synchronous``: SQLite's
+        setting (``StoreConfig.durability``)."""
+        self.db = IndexDB(path, read_only=read_only, synchronous=synchronous)
         try:
             if not read_only:
                 self.db.executescript(
@@ -96,6 +103,10 @@ class Index:
 
     def transaction(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.transaction()
+
+    def sync(self) -> None:
+        """Every commit so far durable (see :meth:`IndexDB.sync`)."""
+        self.db.sync()
 
     def close(self) -> None:
         """Close the file; pending access times are saved if the disk lets (they only guide

@@ -10,6 +10,7 @@ create, a newer format or another layout is refused with a clear error.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -37,10 +38,19 @@ is not UTF-8 (a column name in a damaged schema fails to decode before SQLite se
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
 
+SYNCHRONOUS = ("NORMAL", "FULL")
+"""SQLite's ``synchronous`` settings the store uses: NORMAL for ``durability="fast"`` (a commit
+survives a process crash; a power loss may undo the commits since SQLite last synced its WAL),
+FULL for ``"strict"`` (every commit is synced before it returns)."""
+
+
 class IndexDB:
-    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False, synchronous: str = "NORMAL") -> None:
+        if synchronous not in SYNCHRONOUS:
+            raise ValueError(f"synchronous must be one of {SYNCHRONOUS}, got {synchronous!r}")
         self.path = path
         self.read_only = read_only
+        self.synchronous = synchronous
         self.closed = False
         self.lock = threading.RLock()
         self._db: sqlite3.Connection | None = None
@@ -103,8 +113,9 @@ class IndexDB:
                 if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                     self._db.execute("PRAGMA journal_mode=WAL")
                 # NORMAL is durable across process crashes in WAL mode; only power loss can drop the
-                # last commits, and those then point at files that were already fsynced.
-                self._db.execute("PRAGMA synchronous=NORMAL")
+                # last commits, and those then point at files that were already fsynced. FULL syncs
+                # the WAL at every commit.
+                self._db.execute(f"PRAGMA synchronous={self.synchronous}")
                 if not self._ours("BEGIN IMMEDIATE"):
                     self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
                     self._db.execute("COMMIT")
@@ -249,6 +260,22 @@ class IndexDB:
                 f"asked to open it with {layout.describe()}"
             )
         return stored, version
+
+    def sync(self) -> None:
+        """Make every commit so far durable (``fsync`` of the WAL, which holds them until SQLite
+        copies them into the file, syncing it first): what a ``"fast"`` store does before it
+        removes a file whose row a commit just deleted, so a power loss never brings back a row
+        without its file. Nothing to do with FULL (every commit was synced)."""
+        if self.read_only or self.synchronous == "FULL":
+            return
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no WAL: every commit is in the file, synced by the checkpoint that moved it
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Close the connection; it is released even when closing fails (the error is raised)."""

@@ -13,7 +13,7 @@ import logging
 import math
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.errors import CorruptBlockError, SessionConflictError
@@ -96,12 +96,19 @@ class SessionTable:
             db.execute(_INSERT, self.codec.encode(row))
 
     def commit(
-        self, row: SessionRow, expected_version: int | None, required_keys: Sequence[bytes] = ()
+        self,
+        row: SessionRow,
+        expected_version: int | None,
+        required_keys: Sequence[bytes] = (),
+        *,
+        journal: Callable[[SessionRow], None] | None = None,
     ) -> list[bytes]:
         """Write ``row`` in one transaction if the stored row's version is ``expected_version``
         (None: no row may exist yet) and every key of ``required_keys`` has a block row. Returns
         the required keys that have no row (nothing written then: another process removed those
-        blocks); raises ``SessionConflictError`` when the stored version is another."""
+        blocks); raises ``SessionConflictError`` when the stored version is another.
+        ``journal(row)``: called once the checks passed, before the row is written (it makes the
+        row durable in the session journal; if it raises, nothing is written)."""
         stored_values = self.codec.encode(row)  # sealed and checksummed outside the write lock
         with self.db.transaction() as db:
             stored = db.execute(
@@ -126,11 +133,28 @@ class SessionTable:
                 missing += [k for k in chunk if k not in found]
             if missing:
                 return missing
+            if journal is not None:
+                journal(row)
             db.execute(_INSERT, stored_values)
         return []
 
-    def delete(self, namespace: str, session_id: str) -> bool:
+    def delete(
+        self,
+        namespace: str,
+        session_id: str,
+        *,
+        journal: Callable[[str, str, float, int], None] | None = None,
+    ) -> bool:
+        """Delete a session's row (and its documents); ``journal(namespace, id, created, version)``
+        is called first, in the same transaction, with the row's creation time and version."""
         with self.db.transaction() as db:
+            if journal is not None:
+                found = db.execute(
+                    "SELECT created, version FROM sessions WHERE namespace = ? AND id = ?",
+                    (namespace, session_id),
+                ).fetchone()
+                if found is not None:
+                    journal(namespace, session_id, float(found[0]), int(found[1]))
             cur = db.execute("DELETE FROM sessions WHERE namespace = ? AND id = ?", (namespace, session_id))
             delete_session_documents(db, namespace, session_id)  # they go with it, atomically
             return cur.rowcount > 0

@@ -24,9 +24,17 @@ from kvstrata.keys import BlockKey
 from kvstrata.store.block import KVBlock
 from kvstrata.store.index import BlockRow
 from kvstrata.store.index.block_rows import BlockTable, Placement
+from kvstrata.store.recovery.identity import seq_of
+from kvstrata.store.recovery.records import segment_info_parts
 from kvstrata.store.tiers.disk.cache import PlacementCache
 from kvstrata.store.tiers.disk.direct_writes import DirectFile, DirectWriteRefused, DirectWrites
-from kvstrata.store.tiers.disk.fileio import drop_page_cache, fsync_dir, start_writeback, writev_all
+from kvstrata.store.tiers.disk.fileio import (
+    drop_page_cache,
+    ensure_dir,
+    fsync_dir,
+    start_writeback,
+    writev_all,
+)
 from kvstrata.store.tiers.disk.files import DiskFiles
 from kvstrata.store.tiers.disk.records import Pending, RecordIO
 
@@ -74,6 +82,7 @@ class DiskBatch:
         self._refusals = refusals
         self._direct_writes = direct_writes
         self._budget_bytes = budget_bytes
+        self._layout_fingerprint = records.layout.fingerprint
         self.id = files.new_id()
         self.final = files.segment_path(self.id)
         self.tmp = files.temp_for(self.final)
@@ -197,6 +206,8 @@ class DiskBatch:
         written = [w for w in self._pending if w.error is None]
         if self._fd is not None:
             try:
+                if len(written) > 1 and self._error is None:
+                    self._append_info(written)
                 if written:
                     self._finish_direct()
                     os.fsync(self._fd)
@@ -219,7 +230,7 @@ class DiskBatch:
             if own_file:
                 final = self._files.path_for(written[0].block.key, written[0].cold, self.id)
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
+                ensure_dir(final.parent)
                 os.replace(self.tmp, final)
                 fsync_dir(final.parent)
             except OSError as exc:
@@ -236,6 +247,28 @@ class DiskBatch:
         if written:
             self._index(written, own_file)
         return self.results
+
+    def _append_info(self, written: list[Pending]) -> None:
+        """End the segment with its info record (the store's id, each record's namespace): what
+        a rebuild of the index needs beyond the records themselves."""
+        namespaces = [w.block.namespace for w in written]
+
+        def parts(checksum: bool) -> list[bytes | memoryview]:
+            return segment_info_parts(
+                self._files.store_id,
+                seq_of(self.id) or 0,
+                namespaces,
+                self._layout_fingerprint,
+                checksum=checksum,
+            )
+
+        if self._direct is not None:
+            try:
+                self._direct.write_records([parts(False)])
+                return
+            except DirectWriteRefused:
+                self._rewrite_buffered(written)
+        writev_all(self._fd, parts(True))  # type: ignore[arg-type]
 
     def _finish_direct(self) -> None:
         """The last direct writes, waited for (refused: the batch written again, buffered)."""

@@ -36,6 +36,15 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+def ensure_dir(path: Path) -> None:
+    """``path`` exists, and if it was made now, its entry in its parent is durable (a file renamed
+    into a new shard directory must not vanish with the directory in a power loss)."""
+    if path.is_dir():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    fsync_dir(path.parent)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -76,8 +85,7 @@ def _write_one(item: PendingFile) -> None:
             drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
         finally:
             os.close(fd)
-        final = item.final
-        final.parent.mkdir(exist_ok=True)
+        ensure_dir(item.final.parent)
         os.replace(item.tmp, item.final)
     except OSError as exc:
         item.error = exc
@@ -163,8 +171,7 @@ def write_segment(item: PendingSegment) -> None:
             drop_page_cache(fd)  # written once, read rarely soon: do not crowd the page cache
         finally:
             os.close(fd)
-        final = item.final
-        final.parent.mkdir(parents=True, exist_ok=True)
+        ensure_dir(item.final.parent)
         os.replace(item.tmp, item.final)
         fsync_dir(item.final.parent)
     except OSError as exc:

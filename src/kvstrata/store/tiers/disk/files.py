@@ -9,14 +9,15 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvstrata.keys import BlockKey
 from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.processes import is_token
-from kvstrata.store.tiers.disk.fileio import drop_page_cache, fsync_dir
+from kvstrata.store.recovery.identity import new_file_id
+from kvstrata.store.recovery.records import trailing_info_bytes
+from kvstrata.store.tiers.disk.fileio import drop_page_cache, ensure_dir, fsync_dir
 
 _STALE_TEMP_S = 3600.0
 """A temp file of an unknown writer (written before writers were named) is a leftover once this
@@ -95,6 +96,7 @@ class DiskFiles:
         root: Path,
         *,
         segment_refs: Callable[[str], int],
+        sync_index: Callable[[], None] = lambda: None,
         writer_token: str = "",
         writer_nonce: str = "00000000",
         alive: Callable[[str], bool] | None = None,
@@ -102,8 +104,12 @@ class DiskFiles:
     ) -> None:
         """``writer_token`` names this process's temp files and ``writer_nonce`` starts the ids of
         the files it writes; ``alive(token)`` says whether the process that wrote a temp file
-        still runs (its temp files are then left alone)."""
+        still runs (its temp files are then left alone); ``sync_index()`` makes the index's
+        commits so far durable (before a file whose row went is removed)."""
         self.root = root
+        self.store_id = ""
+        """The store's id (:mod:`kvstrata.store.recovery.identity`), written into each segment."""
+        self._sync_index = sync_index
         self.tmp_dir = root / "tmp"
         self.quarantine_dir = root / "quarantine"
         self.writer_token = writer_token
@@ -126,9 +132,10 @@ class DiskFiles:
             return self.segment_path(placement.file_id)
         return self.path_for(key, placement.cold, placement.file_id)
 
-    def new_id(self, digits: int = 12) -> str:
-        """An id for a new file of this process: its writer nonce, then random hex digits."""
-        return self.writer_nonce + uuid.uuid4().hex[:digits]
+    def new_id(self) -> str:
+        """An id for a new file of this process: its writer nonce, then a sequence number that
+        grows with time (:func:`~kvstrata.store.recovery.identity.new_file_id`)."""
+        return new_file_id(self.writer_nonce)
 
     def temp_for(self, final: Path) -> Path:
         """Where a file on its way to ``final`` is written first (named after this process)."""
@@ -138,16 +145,23 @@ class DiskFiles:
         """A row naming ``placement`` is gone: remove its block file, or its segment once no row
         names the segment any more (rows only ever leave a segment, so that stays so)."""
         if not placement.in_segment:
+            self._sync_index()  # the row's deletion durable before its file goes
             self.path_for(key, placement.cold, placement.file_id).unlink(missing_ok=True)
         elif self._segment_refs(placement.file_id) == 0:
+            self._sync_index()
             self.segment_path(placement.file_id).unlink(missing_ok=True)
+
+    def remove_segment(self, segment_id: str) -> None:
+        """Remove a segment no row names any more (its rows were moved: compaction)."""
+        self._sync_index()  # the rows' move durable before the file they named goes
+        self.segment_path(segment_id).unlink(missing_ok=True)
 
     def move(self, key: BlockKey, placement: Placement, cold: bool) -> Path | None:
         """Rename a block file of its own between ``hot/`` and ``cold/`` (durably; a cold file
         leaves the page cache); its new path, or None when it was gone."""
         src = self.path_for(key, placement.cold, placement.file_id)
         dst = self.path_for(key, cold, placement.file_id)
-        dst.parent.mkdir(exist_ok=True)
+        ensure_dir(dst.parent)
         try:
             os.replace(src, dst)
         except FileNotFoundError:
@@ -180,6 +194,7 @@ class DiskFiles:
             return ""  # a segment's record whose row another process removed meanwhile
         target = self.quarantine_dir / f"{path.name}.{int(time.time())}"
         try:
+            self._sync_index()
             shutil.move(path, target)
         except FileNotFoundError:
             return ""
@@ -204,11 +219,12 @@ class DiskFiles:
                 yield parse_segment_name(entry.name), Path(entry.path)
 
     def segment_files(self) -> tuple[int, int]:
-        """(segment files, their bytes)."""
+        """(segment files, their bytes; each one's info record not counted: it is neither a
+        block nor a hole)."""
         files = total = 0
         for _, path in self.iter_segments():
             try:
-                total += path.stat().st_size
+                total += path.stat().st_size - trailing_info_bytes(path)
             except FileNotFoundError:
                 continue
             files += 1

@@ -126,12 +126,31 @@ class RecordIO:
                 if fresh != placement:
                     placement = fresh  # moved or rewritten meanwhile: read it there
                     continue
+                moved = self._moved(key, placement, buffer)
+                if moved is not None:
+                    return moved
                 break
         if self._blocks.delete([key], file_id=placement.file_id):
             self._cache.forget(key)
             self.lost.add(key)
             log.warning("block %s is indexed but its file is missing; treating it as lost", key.hex()[:16])
         return None
+
+    def _moved(
+        self, key: BlockKey, placement: Placement, buffer: bytearray | None
+    ) -> tuple[memoryview, Path] | None:
+        """A block file found under the other of ``hot/`` and ``cold/``: a move whose rename was
+        durable when a crash undid its index update (the row is set right)."""
+        if placement.in_segment:
+            return None
+        path = self._files.path_for(key, not placement.cold, placement.file_id)
+        try:
+            data = read_file(path, buffer, cold=not placement.cold)
+        except FileNotFoundError:
+            return None
+        if not self._read_only and self._blocks.set_cold(key, not placement.cold, placement.file_id):
+            self._cache.remember(key, placement._replace(cold=not placement.cold))
+        return data, path
 
     def verify(self, key: BlockKey, data: memoryview, path: Path) -> tuple[RecordHeader, EncodedBlock]:
         """``key``'s record bytes checked (length, CRC32C, key, layout; opened when sealed); a

@@ -237,7 +237,7 @@ class DiskTier:
             return False
         if len(data) != placement.nbytes:
             return False  # truncated: left for the read path, which quarantines it
-        file_id = self.files.new_id(8)
+        file_id = self.files.new_id()
         final = self.files.path_for(key, cold, file_id)
         pending = PendingFile(self.files.temp_for(final), final, [data])
         write_files([pending], None)
@@ -325,6 +325,7 @@ def open_disk_tier(
     files = DiskFiles(
         root,
         segment_refs=blocks.segment_refs,
+        sync_index=index.sync,
         writer_token=writer_token,
         writer_nonce=writer_nonce,
         alive=alive,
