@@ -33,6 +33,7 @@ SUITES: dict[str, str] = {
     "batching": "batching",
     "soak": "soak",
     "fuzz": "fuzz",
+    "crash": "crash",
 }
 """``kvstrata bench <name>`` -> its package in this package (the command is in its ``runner``)."""
 
