@@ -99,3 +99,33 @@ def test_logprobs_are_the_raw_log_softmax_and_the_top_ones_best_first() -> None:
     # the penalty changes the choice, not the reported (raw) log-probabilities
     second = sampler.choose(logits)
     assert second.token == 2 and second.logprob == pytest.approx(float(expected[2]), abs=1e-6)
+
+
+def test_logit_bias_is_added_to_the_scores() -> None:
+    assert TokenSampler(SamplingParams(logit_bias=((4, 0.25),))).choose(ROW).token == 4  # 0.35 > 0.30
+    assert TokenSampler(SamplingParams(logit_bias=((0, -100.0),))).choose(ROW).token == 2
+    with pytest.raises(ConfigError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))
+
+
+def test_repetition_penalty_counts_the_prompt_and_the_output() -> None:
+    """vLLM's rule: a seen token's positive score is divided by the penalty, a negative one multiplied."""
+    penalty = SamplingParams(repetition_penalty=2.0)
+    assert TokenSampler(penalty, prompt_ids=[0]).choose(ROW).token == 2  # 0.15 < 0.25
+    sampler = TokenSampler(penalty, prompt_ids=[0])
+    sampler.accept(2)
+    assert sampler.choose(ROW).token == 0  # 0.15 > 0.125
+    assert TokenSampler(SamplingParams(repetition_penalty=0.5), prompt_ids=[2]).choose(ROW).token == 2  # 0.5
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0.0)
+
+
+def test_top_k_samples_only_the_best_tokens() -> None:
+    drawn = {
+        TokenSampler(SamplingParams(temperature=5.0, top_k=2, seed=s)).choose(ROW).token for s in range(40)
+    }
+    assert drawn == {0, 2}
+    wide = {
+        TokenSampler(SamplingParams(temperature=5.0, top_k=-1, seed=s)).choose(ROW).token for s in range(40)
+    }
+    assert wide == {0, 1, 2, 4}

@@ -30,7 +30,7 @@ reports it) and :attr:`logprobs`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,10 +64,14 @@ class RequestDecoder:
         eos_token_ids: Collection[int],
         vocab_size: int,
         grammars: GrammarCompiler | None = None,
+        prompt_ids: Sequence[int] = (),
     ) -> None:
         bad = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad:
             raise ConfigError(f"stop_token_ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias: tokens outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
         self.params = params
         self.vocab_size = vocab_size
         self._eos = frozenset(eos_token_ids)
@@ -78,7 +82,9 @@ class RequestDecoder:
             if grammars is None:
                 raise ConfigError("this engine cannot constrain decoding (no grammar compiler)")
             self._constraint = grammars.constraint(params.grammar)
-        self._sampler = TokenSampler(params)
+        self._sampler = TokenSampler(params, prompt_ids=prompt_ids)
+        self._item_start = 0  # with whole_items: where the item being generated began
+        self._longest_item = 0
         self._text = IncrementalText(tokenizer)
         self._stops = StopStrings(params.stop)
         self._released = 0  # characters of the text released so far
@@ -140,6 +146,12 @@ class RequestDecoder:
                 return self._finish(step, "stop", end=at)
         if self._constraint is not None and self._constraint.done:
             return self._finish(step, "stop")
+        if self.params.whole_items and self._constraint is not None and self._constraint.accepting:
+            generated = len(self.token_ids)
+            self._longest_item = max(self._longest_item, generated - self._item_start)
+            self._item_start = generated
+            if self.params.max_tokens - generated <= self._longest_item:  # another would be cut
+                return self._finish(step, "stop")
         if len(self.token_ids) >= self.params.max_tokens:
             return self._finish(step, "length")
         keep = self._stops.holdback(text) if self._stops else 0

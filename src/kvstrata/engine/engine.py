@@ -222,10 +222,10 @@ class Engine:
         """Compiles the grammars of constrained requests (built on first use: about 0.3 s)."""
         return self._prepare.grammars
 
-    def decoder(self, request: GenerationRequest) -> RequestDecoder:
-        """The per-request decoding state of ``request``; raises :class:`ConfigError` for a
-        request that cannot run (an invalid grammar, a stop token outside the vocabulary)."""
-        return self._prepare.decoder(request)
+    def decoder(self, request: GenerationRequest, prompt_ids: Sequence[int] = ()) -> RequestDecoder:
+        """The per-request decoding state of ``request`` (``prompt_ids``: what a repetition penalty
+        counts); raises :class:`ConfigError` for a request that cannot run."""
+        return self._prepare.decoder(request, prompt_ids)
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         """The request's prompt as token ids (the chat template rendered, or the text tokenised)."""
@@ -234,7 +234,7 @@ class Engine:
     # -- requests through the threads ------------------------------------------------------------
     def _start(self, request: GenerationRequest, *, streaming: bool) -> InFlight:
         prompt_ids = self.prompt_token_ids(request)
-        decoder = self.decoder(request)  # may refuse the request: before anything is written
+        decoder = self.decoder(request, prompt_ids)  # may refuse the request: before anything is written
         inflight = InFlight(f"req-{next(self._ids)}", request, prompt_ids, decoder, streaming)
         inflight.future.set_running_or_notify_cancel()  # it runs from here on: not cancellable so
         ready = self._admission.enter(inflight)  # QueueFullError

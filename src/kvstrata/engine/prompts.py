@@ -7,6 +7,8 @@ is written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvstrata.engine.decoder import RequestDecoder
 from kvstrata.engine.grammar import GrammarCompiler
 from kvstrata.engine.requests import GenerationRequest
@@ -32,7 +34,7 @@ class RequestPreparer:
             self._grammars = GrammarCompiler(self.model.tokenizer, self.vocab_size, eos)
         return self._grammars
 
-    def decoder(self, request: GenerationRequest) -> RequestDecoder:
+    def decoder(self, request: GenerationRequest, prompt_ids: Sequence[int] = ()) -> RequestDecoder:
         params = request.params
         return RequestDecoder(
             params,
@@ -40,6 +42,7 @@ class RequestPreparer:
             eos_token_ids=self.stop_ids,
             vocab_size=self.vocab_size,
             grammars=self.grammars if params.grammar is not None else None,
+            prompt_ids=prompt_ids,
         )
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
@@ -53,7 +56,9 @@ class RequestPreparer:
                 raise ConfigError("the prompt is empty")
             return list(request.prompt_ids)
         if request.messages is not None:
-            extra = {"tools": list(request.tools)} if request.tools else {}
+            extra = {**(request.template_kwargs or {})}  # vLLM's chat_template_kwargs
+            if request.tools:
+                extra["tools"] = list(request.tools)
             encoded = tokenizer.apply_chat_template(
                 [dict(m) for m in request.messages], add_generation_prompt=True, tokenize=True, **extra
             )

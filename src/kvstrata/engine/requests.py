@@ -77,6 +77,8 @@ class GenerationRequest:
     tools: Sequence[Mapping[str, Any]] | None = None
     """Tool definitions for a chat template that renders them itself (``apply_chat_template(
     tools=...)``); the messages may then carry ``tool_calls`` and ``tool`` turns."""
+    template_kwargs: Mapping[str, Any] | None = None
+    """Extra keyword arguments of the chat template (vLLM's ``chat_template_kwargs``)."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids))

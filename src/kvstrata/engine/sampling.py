@@ -3,9 +3,11 @@ of logits by those rules (:class:`TokenSampler`).
 
 The order of operations is vLLM's (and OpenAI's where it says): log-probabilities are reported
 from the model's raw logits (before penalties, masks and temperature); then presence/frequency
-penalties over the tokens generated so far, the masks (a grammar's, and EOS banned before
-``min_tokens``), then greedy choice at temperature 0, else temperature and nucleus (``top_p``)
-sampling from a per-request generator (a request with a ``seed`` samples the same tokens again).
+penalties over the tokens generated so far, vLLM's ``repetition_penalty`` over the prompt's and
+the generated tokens, ``logit_bias``, the masks (a grammar's, and EOS banned before
+``min_tokens``), then greedy choice at temperature 0, else temperature, ``top_k`` and nucleus
+(``top_p``) sampling from a per-request generator (a request with a ``seed`` samples the same
+tokens again).
 
 Everything here works on ONE row of logits and per-request state, so a batched decoding loop
 runs one sampler per row (see :mod:`kvstrata.engine.decoder`).
@@ -51,6 +53,17 @@ class SamplingParams:
     top_logprobs: int = 0
     grammar: GrammarSpec | None = None
     """Constrained decoding: the output must be a sentence of this grammar."""
+    whole_items: bool = False
+    """The grammar's sentences are items one after another (tool calls): at a point where the
+    output is complete, it ends when the tokens left could not hold another item as long as the
+    longest so far, so that ``max_tokens`` does not cut one."""
+    top_k: int = 0
+    """Sample from the ``top_k`` most likely tokens only (0: all; vLLM's -1 is taken as 0)."""
+    repetition_penalty: float = 1.0
+    """vLLM's (and transformers'): the scores of tokens already in the prompt or the output are
+    divided by it where positive, multiplied where negative (1: off)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the scores (OpenAI's ``logit_bias``, each in [-100, 100])."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +92,16 @@ class SamplingParams:
             raise ConfigError("top_logprobs needs logprobs")
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed) % SEED_MODULUS)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0 (or -1: all tokens)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigError("repetition_penalty must be a finite number > 0")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if any(t < 0 or not (math.isfinite(b) and -100 <= b <= 100) for t, b in bias):
+            raise ConfigError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
@@ -108,8 +131,11 @@ class TokenSampler:
 
     params: SamplingParams
     generated: list[int] = field(default_factory=list)
+    prompt_ids: Sequence[int] = ()
+    """The prompt's tokens (what ``repetition_penalty`` counts besides the output)."""
     _generator: torch.Generator | None = None
     _counts: torch.Tensor | None = None
+    _seen: torch.Tensor | None = None
 
     def choose(
         self, logits: torch.Tensor, *, allowed: torch.Tensor | None = None, banned: Sequence[int] = ()
@@ -129,6 +155,17 @@ class TokenSampler:
                 - params.presence_penalty * (counts > 0).to(scores.dtype)
                 - params.frequency_penalty * counts.to(scores.dtype)
             )
+        if params.repetition_penalty != 1:
+            seen = self._seen_tokens(raw)
+            penalised = torch.where(
+                scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty
+            )
+            scores = torch.where(seen, penalised, scores)
+        if params.logit_bias:
+            scores = scores.clone() if scores is raw else scores
+            ids = torch.tensor([t for t, _ in params.logit_bias], device=scores.device)
+            bias = torch.tensor([b for _, b in params.logit_bias], dtype=scores.dtype, device=scores.device)
+            scores.index_add_(0, ids, bias)
         if allowed is not None or banned:
             scores = scores.clone() if scores is raw else scores
             if allowed is not None:
@@ -147,6 +184,16 @@ class TokenSampler:
         self.generated.append(token)
         if self._counts is not None:
             self._counts[token] += 1
+        if self._seen is not None:
+            self._seen[token] = True
+
+    def _seen_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._seen is None:
+            self._seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            ids = [*self.prompt_ids, *self.generated]
+            if ids:
+                self._seen[torch.tensor(ids, device=logits.device)] = True
+        return self._seen
 
     def _token_counts(self, logits: torch.Tensor) -> torch.Tensor:
         if self._counts is None:
@@ -165,6 +212,9 @@ class TokenSampler:
         # shifted so the largest score is 0, in float64: a tiny temperature then gives -inf for
         # the others (and 0 for the best), never inf/inf = nan
         scaled = (scores.double() - scores.max().double()) / self.params.temperature
+        if 0 < self.params.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, self.params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, -math.inf)
         probs = torch.softmax(scaled, dim=-1)
         if self.params.top_p < 1:
             probs = _nucleus(probs, self.params.top_p)
