@@ -125,8 +125,8 @@ class ServerProcess:
     process: subprocess.Popen[bytes]
     log_path: Path
 
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    def client(self, api_key: str = "unused", timeout: float = 120) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def http(self, api_key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -167,6 +167,9 @@ def test_the_rule_reads_the_method_and_the_path() -> None:
     assert access_for("DELETE", "/v1/sessions/s1") is Access.WRITE
     assert access_for("POST", "/v1/responses") is Access.WRITE
     assert access_for("GET", "/v1/responses/resp_1") is Access.READ
+    assert access_for("DELETE", "/v1/responses/resp_1") is Access.WRITE
+    assert access_for("POST", "/tokenize") is Access.READ  # computes, stores nothing
+    assert access_for("POST", "/detokenize") is Access.READ
 
 
 def test_a_read_only_key_reads_its_tenant_and_cannot_write(server: LiveServer) -> None:

@@ -238,7 +238,8 @@ def test_completions_take_the_same_fields(server: LiveServer) -> None:
         ({"extra_body": {"min_tokens": 13}}, None),  # more than max_tokens
         ({"extra_body": {"stop_token_ids": [10**7]}}, "stop_token_ids"),
         ({"presence_penalty": 3}, "presence_penalty"),
-        ({"extra_body": {"logit_bias": {"5": 1}}}, "logit_bias"),
+        ({"extra_body": {"logit_bias": {"5": 101}}}, "logit_bias"),
+        ({"extra_body": {"logit_bias": {"x": 1}}}, "logit_bias"),
         ({"messages": [{"role": "critic", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user"}]}, "messages.0"),
         ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages.0"),

@@ -137,7 +137,7 @@ def test_priority_header_is_accepted(server: LiveServer) -> None:
         ({"n": 0}, 400, "n", "invalid_value"),
         ({"n": 17}, 400, "n", "invalid_value"),
         ({"top_p": 0}, 400, "top_p", "invalid_value"),
-        ({"extra_body": {"logit_bias": {"1": 5}}}, 400, "logit_bias", "unsupported_parameter"),
+        ({"extra_body": {"prediction": {"type": "content"}}}, 400, "prediction", "unsupported_parameter"),
         ({"extra_headers": {"X-Priority": "urgent"}}, 400, "X-Priority", "invalid_value"),
         ({"extra_headers": {"X-Session-Id": "a/b"}}, 400, "X-Session-Id", "invalid_value"),
         ({"model": "gpt-4"}, 404, "model", "model_not_found"),

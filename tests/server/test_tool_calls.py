@@ -91,13 +91,71 @@ def test_streamed_calls_equal_the_batch_ones(server: LiveServer) -> None:
     kw = {"tool_choice": "required", "temperature": 1.0, "seed": 4, "max_tokens": 400}
     batch = create(server, **kw).choices[0].message.tool_calls
     chunks = list(create(server, stream=True, **kw))
-    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+    streamed = assemble(chunks)
+    assert [(i, name, arguments) for i, (_, name, arguments) in enumerate(streamed)] == [
         (i, c.function.name, c.function.arguments) for i, c in enumerate(batch)
     ]
-    assert all(d.id.startswith("call_") for d in deltas)
+    assert all(call_id.startswith("call_") for call_id, _, _ in streamed)
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def assemble(chunks: list[Any]) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each streamed call, put together as OpenAI's clients do: the id
+    and name in a call's first delta, its arguments over the deltas after it."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta.id is not None:
+                assert delta.index not in calls and delta.function.name
+                calls[delta.index] = [delta.id, delta.function.name, delta.function.arguments or ""]
+            else:
+                assert delta.function.name is None
+                calls[delta.index][2] += delta.function.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [(c[0], c[1], c[2]) for _, c in sorted(calls.items())]
+
+
+def test_streamed_arguments_arrive_before_the_call_is_complete(server: LiveServer) -> None:
+    """Issue 31, acceptance 4: the arguments stream as the model writes them."""
+    chunks = list(
+        create(server, stream=True, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    )
+    argument_chunks = [
+        c.choices[0].delta.tool_calls[0].function.arguments
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls and c.choices[0].delta.tool_calls[0].id is None
+    ]
+    ((_, name, arguments),) = assemble(chunks)
+    assert name == "lookup" and json.loads(arguments)
+    assert len(argument_chunks) > 3 and argument_chunks[0] != arguments  # not whole in one chunk
+    assert "".join(argument_chunks) == arguments
+
+
+def test_required_parallel_calls_are_never_cut(server: LiveServer) -> None:
+    """Issue 31, acceptance 4: with parallel calls allowed, a reply ends after a complete call
+    rather than stopping inside the next one at max_tokens; each call it has parses, streamed or not."""
+    # a seed with which the model goes on to a second call
+    seed = next(
+        s
+        for s in range(16)
+        if len(
+            create(server, tool_choice="required", max_tokens=600, temperature=1.0, seed=s)
+            .choices[0]
+            .message.tool_calls
+        )
+        > 1
+    )
+    kw = {"tool_choice": "required", "temperature": 1.0, "seed": seed}
+    # the first call alone (the same tokens: the grammar allows the same ones up to its end)
+    used = create(server, max_tokens=400, parallel_tool_calls=False, **kw).usage.completion_tokens
+    reply = create(server, max_tokens=used + 8, **kw).choices[0]  # room for part of a second call
+    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+    check_call(reply.message.tool_calls[0])
+    chunks = list(create(server, max_tokens=used + 8, stream=True, **kw))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    call = reply.message.tool_calls[0]
+    assert [(n, a) for _, n, a in assemble(chunks)] == [(call.function.name, call.function.arguments)]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ import pytest
 
 from kvstrata.engine.grammar import GrammarCompiler
 from kvstrata.integrations.transformers.tiny_tokenizer import TINY_VOCAB_SIZE, tiny_tokenizer
-from kvstrata.server.tools import CallStream, ToolCall, call_grammar, parse_calls, render_calls, system_prompt
+from kvstrata.server.call_stream import ArgumentsDelta, CallStart, CallStream
+from kvstrata.server.tools import ToolCall, call_grammar, parse_calls, render_calls, system_prompt
 
 WEATHER = {
     "type": "function",
@@ -124,3 +125,42 @@ def test_the_call_grammar_takes_exactly_valid_calls(grammars: GrammarCompiler) -
     assert not accepts(grammars, spec, "Sure! " + weather)  # a call, nothing else
     either = call_grammar([CLOCK], or_json={"type": "object", "properties": {"a": {"type": "integer"}}})
     assert accepts(grammars, either, '{"a": 3}') and accepts(grammars, either, clock)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+def test_arguments_stream_as_they_come_whatever_the_chunking(chunk: int) -> None:
+    args = '{"q": "a }\\" <tool_call> </tool_call", "n": [1, {"x": 2}]}'
+    text = "Let me see. " + render_calls([call("a", args), call("b", "{}")])
+    stream = CallStream()
+    items: list[object] = []
+    for start in range(0, len(text), chunk):
+        items += stream.feed(text[start : start + chunk])
+    items += stream.close()
+    starts = [i for i in items if isinstance(i, CallStart)]
+    ends = [i for i in items if isinstance(i, ToolCall)]
+    assert [(s.index, s.name) for s in starts] == [(0, "a"), (1, "b")]
+    assert [e.id for e in ends] == [s.id for s in starts]  # the id the start announced
+    for start, end in zip(starts, ends, strict=True):
+        deltas = [i.text for i in items if isinstance(i, ArgumentsDelta) and i.index == start.index]
+        assert "".join(deltas) == end.arguments
+        # every delta went out before the call's end
+        assert items.index(end) > max(
+            i for i, x in enumerate(items) if isinstance(x, ArgumentsDelta) and x.index == start.index
+        )
+    assert [(c.name, c.arguments) for c in ends] == [(c.name, c.arguments) for c in parse_calls(text)[1]]
+    if chunk == 1:  # byte by byte: the arguments came in many pieces, the first long before the end
+        assert len([i for i in items if isinstance(i, ArgumentsDelta) and i.index == 0]) > 10
+
+
+def test_calls_in_another_form_are_released_whole() -> None:
+    stream = CallStream()
+    text = '<tool_call>\n{"arguments": {"k": 1}, "name": "f"}\n</tool_call>'
+    items = [*stream.feed(text), *stream.close()]
+    assert len(items) == 1 and isinstance(items[0], ToolCall) and items[0].arguments == '{"k": 1}'
+
+
+def test_a_call_cut_inside_its_arguments_ends_as_streamed() -> None:
+    stream = CallStream()
+    items = [*stream.feed('<tool_call>\n{"name": "f", "arguments": {"k": "ab'), *stream.close()]
+    assert isinstance(items[0], CallStart) and stream.cut
+    assert isinstance(items[-1], ToolCall) and items[-1].arguments == '{"k": "ab'

@@ -6,8 +6,9 @@ Scopes: ``write`` (the tenant's read/write, the default), ``read`` (the tenant's
 needs follows from its route by one rule, :func:`access_for`, not from code in each route:
 ``/healthz`` is open; ``/metrics`` and ``/v1/admin/...`` (store-wide figures and maintenance)
 need ``admin``; every other route is a tenant's, read by ``GET``/``HEAD``/``OPTIONS`` and written
-by any other method (a completion stores KV, so it writes). So a route added later is covered
-by the same rule.
+by any other method (a completion stores KV, so it writes), except ``/tokenize`` and
+``/detokenize``, which store nothing by any method. So a route added later is covered by the same
+rule.
 
 Keys come from a JSON or TOML file, ``{"keys": {"KEY": "tenant"}}`` (or a flat
 ``{"KEY": "tenant"}``) with ``{"KEY": {"tenant": "a", "scope": "read"}}`` or ``{"KEY": {"scope":
@@ -57,6 +58,8 @@ OPEN_PATHS = frozenset({"/healthz"})
 ADMIN_PATHS = ("/metrics", "/v1/admin")
 """Path prefixes of the admin endpoints: figures and maintenance over every tenant."""
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+READ_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""Routes that store nothing whatever their method (vLLM's tokenizer routes are POSTs)."""
 
 
 def access_for(method: str, path: str) -> Access:
@@ -65,7 +68,7 @@ def access_for(method: str, path: str) -> Access:
         return Access.OPEN
     if any(path == prefix or path.startswith(prefix + "/") for prefix in ADMIN_PATHS):
         return Access.ADMIN
-    return Access.READ if method.upper() in READ_METHODS else Access.WRITE
+    return Access.READ if method.upper() in READ_METHODS or path in READ_PATHS else Access.WRITE
 
 
 @dataclass(frozen=True, slots=True)

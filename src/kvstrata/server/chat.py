@@ -20,6 +20,7 @@ from typing import Any
 from kvstrata.engine.grammar import GrammarSpec
 from kvstrata.server import tools as hermes
 from kvstrata.server.errors import APIError
+from kvstrata.server.schema_defaults import closed_objects
 from kvstrata.server.schemas import ChatCompletionRequest, ChatMessage, ResponseFormat
 
 
@@ -31,6 +32,8 @@ class ChatPrompt:
     reads_calls: bool
     """The output is read for tool calls (tools were given and ``tool_choice`` is not none)."""
     grammar: GrammarSpec | None
+    whole_items: bool = False
+    """The grammar is one of calls: decoding ends after a complete call rather than cut one."""
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
@@ -60,7 +63,8 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any) -> ChatPrompt:
         grammar = hermes.call_grammar(tools, parallel=body.parallel_tool_calls, or_json=answer)
     elif answer is not None:
         grammar = GrammarSpec.json_schema(answer)
-    return ChatPrompt(messages, tools if native else None, bool(tools) and choice != "none", grammar)
+    calls = choice == "required" or isinstance(choice, dict) or (choice == "auto" and answer is not None)
+    return ChatPrompt(messages, tools if native else None, bool(tools) and choice != "none", grammar, calls)
 
 
 def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
@@ -70,7 +74,7 @@ def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | 
     if response_format.type == "json_object":
         return {"type": "object"}
     assert response_format.json_schema is not None  # checked by the schema
-    return response_format.json_schema.json_schema or {"type": "object"}
+    return closed_objects(response_format.json_schema.json_schema or {"type": "object"})
 
 
 def _tool_choice(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str | dict[str, Any]:

@@ -102,9 +102,22 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """The router's own refusals (no such route, a method the route does not take), OpenAI-shaped."""
     assert isinstance(exc, StarletteHTTPException)
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type=kind).response()
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        error = APIError(404, f"no such route: {where}", type="not_found_error", code="not_found")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"method not allowed: {where}" + (f" (allowed: {allowed})" if allowed else "")
+        error = APIError(405, message, code="method_not_allowed")
+    else:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = APIError(exc.status_code, str(exc.detail), type=kind)
+    response = error.response()
+    if exc.status_code == 405 and exc.headers:
+        response.headers.update(exc.headers)
+    return response
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -88,10 +88,12 @@ def chat_choice(
     }
 
 
-def text_choice(index: int, response: Response, *, text_of: TokenText | None) -> dict[str, Any]:
+def text_choice(
+    index: int, response: Response, *, text_of: TokenText | None, echo: str = ""
+) -> dict[str, Any]:
     return {
         "index": index,
-        "text": response.text,
+        "text": echo + response.text,
         "logprobs": text_logprobs(response.logprobs, text_of)
         if response.logprobs is not None and text_of is not None
         else None,

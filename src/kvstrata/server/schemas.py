@@ -1,7 +1,11 @@
-"""Request bodies the server accepts, as the OpenAI API defines them (plus vLLM's ``ignore_eos``,
-``min_tokens`` and ``stop_token_ids``). Unknown fields are refused (400), not silently ignored: a
-client asking for something this server does not do (``logit_bias``, audio output) must learn so.
-Content parts other than text are refused with a clear message: the models served are text-only.
+"""Request bodies the server accepts, as the OpenAI API defines them (plus vLLM's extensions:
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``top_k``, ``repetition_penalty``,
+``cache_salt``, ``chat_template_kwargs``). Unknown fields are refused (400), not silently ignored:
+a client asking for something this server does not do (audio output, predicted outputs) must
+learn so. Fields that mean nothing for the models served here (``service_tier`` beyond the
+priority it maps to, ``reasoning_effort``, chat ``store``) are accepted and documented as such in
+docs/agents.md. Content parts other than text are refused with a clear message: the models served
+are text-only.
 """
 
 from __future__ import annotations
@@ -126,6 +130,14 @@ class ResponseFormat(_Strict):
         return self
 
 
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# the keyword arguments the server itself gives the chat template
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize", "return_dict"}
+)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -157,6 +169,27 @@ class GenerationParams(_Strict):
     return_tokens_as_token_ids: bool = False
     """Logprobs name tokens ``token_id:ID`` (tokens that are part of a character are otherwise
     ambiguous)."""
+    top_k: int = Field(default=0, ge=-1)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) -> bias in [-100, 100], added to the token's score."""
+    prompt_cache_key: str | None = None
+    """OpenAI's cache key; here it names the session when no ``X-Session-Id`` does."""
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """vLLM's: requests with different salts never share KV (here: a namespace of its own)."""
+    service_tier: ServiceTier | None = None
+    """``flex`` runs as ``background``, ``priority`` as ``realtime`` (when no ``X-Priority``)."""
+    safety_identifier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are in [-100, 100], got {bias} for token {token}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -185,12 +218,27 @@ class ChatCompletionRequest(GenerationParams):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    store: bool | None = None
+    """OpenAI keeps such completions for its dashboard; accepted, nothing more is kept here."""
+    reasoning_effort: ReasoningEffort | None = None
+    """Accepted; the models served do not reason."""
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)}: set by the server, not by chat_template_kwargs")
+        return value
 
 
 class CompletionRequest(GenerationParams):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     """The legacy API's: how many top tokens to report per position (the chosen one besides)."""
+    echo: bool = False
+    """The text starts with the prompt (not with ``logprobs``: the prompt's are not computed)."""
 
 
 class CreateSessionRequest(_Strict):

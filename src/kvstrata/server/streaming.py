@@ -8,9 +8,11 @@ request at the engine's next step: its session is committed up to the tokens com
 (the prompt, and the answer so far), never half-written.
 
 Chat chunks carry ``delta.content``; with tools, calls are read out of the text as it streams
-(:class:`~kvstrata.server.tools.CallStream`) and sent as ``delta.tool_calls``, whole, one chunk
-per call. Text that could still turn out to be a stop string or the start of a call is held
-back until it is known not to be.
+(:class:`~kvstrata.server.call_stream.CallStream`) and sent as ``delta.tool_calls``: a call's id
+and name first, then its arguments as the model writes them, as OpenAI and vLLM stream them.
+Text that could still turn out to be a stop string or the start of a call is held back until it
+is known not to be. The thread and its events (:func:`start_job`) serve the Responses API's
+streaming too (:mod:`kvstrata.server.responses_api`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,21 @@ from kvstrata.engine.decoder import DecodeStep
 from kvstrata.engine.engine import Response, ResponseStream
 from kvstrata.errors import KVStrataError
 from kvstrata.server import responses
+from kvstrata.server.call_stream import ArgumentsDelta, CallStart, CallStream, Event
 from kvstrata.server.context import ServerContext
 from kvstrata.server.errors import APIError, from_kvstrata
-from kvstrata.server.openai_api import Job, api_error, extension, finish, headers, prepare, total_usage
-from kvstrata.server.tools import CallStream, ToolCall
+from kvstrata.server.jobs import (
+    Job,
+    api_error,
+    echo_text,
+    extension,
+    finish,
+    headers,
+    prepare,
+    set_up,
+    total_usage,
+)
+from kvstrata.server.tools import ToolCall
 
 
 class _Control:
@@ -65,6 +78,7 @@ def _generate_in_thread(
     started = False
     try:
         requests = prepare(ctx, job)
+        set_up(ctx, job)
         try:
             stream = ctx.engine.stream(requests[0])  # a full queue is still an HTTP error (429)
             started = True
@@ -110,7 +124,9 @@ class _Chunks:
         self.model = ctx.config.model_name
         self.text_of = job.token_text(ctx.engine.model.tokenizer)
         self.calls: dict[int, CallStream] = {}
+        self.streamed_calls: set[str] = set()  # ids of calls whose header went out as a delta
         self.text_offset: dict[int, int] = {}
+        self.echo = echo_text(ctx, job)
 
     def line(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -119,7 +135,9 @@ class _Chunks:
 
     def begin(self, index: int) -> list[str]:
         if not self.chat:
-            return []
+            if not self.echo:
+                return []
+            return [self.line([{"index": index, "text": self.echo, "logprobs": None, "finish_reason": None}])]
         if self.job.reads_calls:
             self.calls[index] = CallStream()
         delta = {"role": "assistant", "content": ""}
@@ -140,7 +158,7 @@ class _Chunks:
             choice = {"index": index, "text": step.text, "logprobs": logprobs, "finish_reason": None}
             return [self.line([choice])]
         parser = self.calls.get(index)
-        items: list[str | ToolCall] = list(parser.feed(step.text)) if parser is not None else [step.text]
+        items: list[Event] = list(parser.feed(step.text)) if parser is not None else [step.text]
         return self._deltas(index, [i for i in items if i], logprobs)
 
     def end(self, index: int, response: Response) -> list[str]:
@@ -158,13 +176,22 @@ class _Chunks:
         final.update({"delta": {}} if self.chat else {"text": ""})
         return [*lines, self.line([final])]
 
-    def _deltas(self, index: int, items: list[str | ToolCall], logprobs: dict[str, Any] | None) -> list[str]:
+    def _deltas(self, index: int, items: list[Event], logprobs: dict[str, Any] | None) -> list[str]:
         parser = self.calls.get(index)
         lines = []
         for item in items:
-            if isinstance(item, ToolCall):
+            if isinstance(item, CallStart):
+                self.streamed_calls.add(item.id)
+                function = {"name": item.name, "arguments": ""}
+                call = {"index": item.index, "id": item.id, "type": "function", "function": function}
+                delta: dict[str, Any] = {"tool_calls": [call]}
+            elif isinstance(item, ArgumentsDelta):
+                delta = {"tool_calls": [{"index": item.index, "function": {"arguments": item.text}}]}
+            elif isinstance(item, ToolCall):
+                if item.id in self.streamed_calls:
+                    continue  # its arguments went out as they came
                 assert parser is not None
-                delta: dict[str, Any] = {"tool_calls": [item.to_openai(parser.calls.index(item))]}
+                delta = {"tool_calls": [item.to_openai(parser.calls.index(item))]}
             else:
                 delta = {"content": item}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
@@ -176,9 +203,26 @@ class _Chunks:
         return lines
 
 
-async def stream_job(ctx: ServerContext, job: Job) -> Any:
-    from fastapi.responses import StreamingResponse
+class JobEvents:
+    """The events of a job running on its own thread (see :func:`_generate_in_thread`):
+    ("start", None) was read already; then ("step", (index, DecodeStep)), ("choice", (index,
+    Response)), and ("done", None) or ("fail", exception)."""
 
+    def __init__(self, queue: asyncio.Queue[tuple[str, Any]], control: _Control) -> None:
+        self._queue = queue
+        self._control = control
+
+    async def get(self) -> tuple[str, Any]:
+        return await self._queue.get()
+
+    def cancel(self) -> None:
+        """Stop the job at its next step (a no-op once it is done)."""
+        self._control.cancel()
+
+
+async def start_job(ctx: ServerContext, job: Job) -> JobEvents:
+    """Start ``job`` on a thread of its own; an :class:`APIError` if it is refused before it
+    starts (the response's status line is then still to be chosen)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     control = _Control()
@@ -195,6 +239,13 @@ async def stream_job(ctx: ServerContext, job: Job) -> Any:
     kind, value = await events.get()
     if kind == "error":
         raise api_error(value)
+    return JobEvents(events, control)
+
+
+async def stream_job(ctx: ServerContext, job: Job) -> Any:
+    from fastapi.responses import StreamingResponse
+
+    events = await start_job(ctx, job)
     chunks = _Chunks(ctx, job)
 
     async def body() -> AsyncIterator[str]:
@@ -219,16 +270,17 @@ async def stream_job(ctx: ServerContext, job: Job) -> Any:
                         yield chunks.line([], usage=total_usage(results), kvstrata=extension(job, results[0]))
                     break
                 else:  # "fail": the status line is sent already, so the error is an event
-                    yield f"data: {_json(_stream_error(value).body())}\n\n"
+                    yield f"data: {_json(stream_error(value).body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:
-            control.cancel()  # a no-op once the job is done
+            events.cancel()  # a no-op once the job is done
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers(job))
 
 
-def _stream_error(exc: Exception) -> APIError:
+def stream_error(exc: Exception) -> APIError:
+    """The error a stream ends with (the status line went out already)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, KVStrataError):

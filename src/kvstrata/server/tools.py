@@ -1,6 +1,7 @@
 """Tool calling in the Hermes format: how tools are described to the model, how its calls and
 their results are written into the conversation, the grammar that forces a call, and the
-parsers that read calls back out of the output (whole, or while it streams).
+parser that reads calls back out of the whole output (while it streams:
+:mod:`kvstrata.server.call_stream`).
 
 The format is the one Hermes-2-Pro and Qwen 2.5/3 models are trained on and that vLLM's
 ``hermes`` tool parser reads: tools are listed as JSON inside ``<tools></tools>`` in the system
@@ -20,11 +21,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.engine.grammar import JSON_OPTIONS, GrammarSpec
+from kvstrata.server.schema_defaults import closed_objects
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -125,7 +127,7 @@ def call_grammar(
 
 
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
-    params = dict(function.get("parameters") or {"type": "object"})
+    params = closed_objects(dict(function.get("parameters") or {"type": "object"}))
     # $defs stay at the root, where the parameters' "#/$defs/..." references point
     defs = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     schema = {
@@ -159,7 +161,7 @@ def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         return (text or None), []
     calls = []
     for match in _CALL_RE.finditer(text, start):
-        call = _parse_call(match.group(1))
+        call = parse_call(match.group(1))
         if call is None:
             if calls and match.end() == len(text) and not match.group(0).endswith(CALL_CLOSE):
                 break
@@ -169,7 +171,8 @@ def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return (content if content.strip() else None), calls
 
 
-def _parse_call(block: str) -> ToolCall | None:
+def parse_call(block: str, call_id: str | None = None) -> ToolCall | None:
+    """The call in one ``<tool_call>`` block (None if it is not one), with ``call_id`` or a new id."""
     try:
         value = json.loads(block)
     except ValueError:
@@ -182,7 +185,7 @@ def _parse_call(block: str) -> ToolCall | None:
         text = raw.group(2)  # the model's own text: it renders back to the same tokens
     else:
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(new_call_id(), value["name"], text)
+    return ToolCall(call_id or new_call_id(), value["name"], text)
 
 
 def _same_json(text: str, value: Any) -> bool:
@@ -190,72 +193,3 @@ def _same_json(text: str, value: Any) -> bool:
         return bool(json.loads(text) == value)
     except ValueError:
         return False
-
-
-class CallStream:
-    """Reads calls out of streamed text: content passes through at once, except what could be
-    the start of ``<tool_call>``; a call is released whole when its block closes."""
-
-    def __init__(self) -> None:
-        self._pending = ""
-        self._in_call = False
-        self.calls: list[ToolCall] = []
-        self._failed = False
-
-    def feed(self, text: str) -> Iterator[str | ToolCall]:
-        """Content deltas (str) and finished calls, in order."""
-        self._pending += text
-        while self._pending:
-            if self._failed:
-                yield from self._content_delta(self._pending)
-                self._pending = ""
-                return
-            if not self._in_call:
-                at = self._pending.find(CALL_OPEN)
-                if at == -1:
-                    keep = _partial_suffix(self._pending, CALL_OPEN)
-                    yield from self._content_delta(self._pending[: len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep :]
-                    return
-                if not self.calls:
-                    yield from self._content_delta(self._pending[:at])
-                self._pending = self._pending[at + len(CALL_OPEN) :]
-                self._in_call = True
-            end = self._pending.find(CALL_CLOSE)
-            if end == -1:
-                return
-            yield from self._finish_call(self._pending[:end])
-            self._pending = self._pending[end + len(CALL_CLOSE) :]
-            self._in_call = False
-
-    def close(self) -> Iterator[str | ToolCall]:
-        """At the end of the output: an unclosed call if it parses, else its text as content."""
-        pending, self._pending = self._pending, ""
-        if self._in_call and not self._failed:
-            self._in_call = False
-            yield from self._finish_call(pending, unclosed=True)
-        elif not self.calls:
-            yield from self._content_delta(pending)
-
-    def _finish_call(self, block: str, unclosed: bool = False) -> Iterator[str | ToolCall]:
-        call = _parse_call(block)
-        if call is None:
-            # not a call after all: from here on everything is content (calls already released stay)
-            self._failed = True
-            if not self.calls:
-                yield from self._content_delta(CALL_OPEN + block + ("" if unclosed else CALL_CLOSE))
-            return
-        self.calls.append(call)
-        yield call
-
-    def _content_delta(self, text: str) -> Iterator[str]:
-        if text and not self.calls:  # as in parse_calls: content is what comes before the calls
-            yield text
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` are a proper prefix of ``marker``."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
