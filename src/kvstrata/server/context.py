@@ -41,12 +41,18 @@ class ServerConfig:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     audit_path: Path | None = None
     max_archive_bytes: int = 1 << 30
+    response_ttl_s: float = 30 * 86400.0
+    """How long the session of a stored response (``POST /v1/responses`` with ``store``) is kept
+    after its last use, unless the request named a session of its own (OpenAI keeps stored
+    responses 30 days)."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 1 or self.max_tokens_limit < 1:
             raise ConfigError("max_prompt_tokens and max_tokens_limit must be >= 1")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
+        if not self.response_ttl_s > 0:
+            raise ConfigError("response_ttl_s must be > 0")
 
     def serves(self, requested: str) -> bool:
         """Whether a request's ``model`` names the served model."""
