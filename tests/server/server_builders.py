@@ -151,7 +151,7 @@ def server_process(
     model_cache: Path,
     api_keys: str | None = None,
     extra_args: tuple[str, ...] = (),
-    startup_timeout_s: float = 120,
+    startup_timeout_s: float = 600,  # a loaded CI machine can take minutes to import and load
 ) -> Iterator[ServerProcess]:
     """Run ``python -m kvstrata.cli.main serve`` on a free loopback port until /healthz answers;
     SIGKILL it when the block exits if it is still running."""

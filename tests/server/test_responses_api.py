@@ -247,6 +247,34 @@ def test_streamed_arguments_arrive_as_they_are_generated(server: LiveServer) -> 
     assert client(server).responses.retrieve(final["id"]).output[0].arguments == arguments
 
 
+def test_the_openai_clients_streams_continue_a_chain(server: LiveServer) -> None:
+    """``responses.create(stream=True)`` and ``responses.stream(...)`` of the official client: the
+    events it parses, the final response it assembles, and a streamed step chained to a stored one."""
+    first = create(server, input="Is it sunny in Paris?")
+    events = list(create(server, input="And tomorrow?", previous_response_id=first.id, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    streamed = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed.output_text == text and streamed.previous_response_id == first.id
+    assert session_of(streamed) == first.id
+    assert streamed.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens > 0
+    with client(server).responses.stream(
+        model=MODEL_NAME,
+        instructions=INSTRUCTIONS,
+        input="Weather in Rome?",
+        previous_response_id=streamed.id,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=200,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        call = stream.get_final_response()
+    assert call.output[0].type == "function_call" and "".join(deltas) == call.output[0].arguments
+    assert call.usage.input_tokens_details.cached_tokens >= streamed.usage.input_tokens
+    assert client(server).responses.retrieve(call.id).output[0].arguments == call.output[0].arguments
+
+
 def _state(server: LiveServer) -> tuple[list[str], list[str]]:
     return sorted(sessions(server)), sorted(sessions(server, "tenant-b"))
 
