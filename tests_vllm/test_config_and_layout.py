@@ -74,6 +74,14 @@ def test_namespace_quotas_reach_the_store_config(tmp_path: Path) -> None:
         ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "namespace_quotas": ["a"]})
 
 
+def test_the_durability_mode_reaches_the_store_config(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "durability": "strict"})
+    assert config.store.durability == "strict"
+    assert ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)}).store.durability == "fast"
+    with pytest.raises(ConfigError, match="durability must be one of"):
+        ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "durability": "eventually"})
+
+
 def test_defaults_are_exact_and_local(tmp_path: Path) -> None:
     cfg = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)})
     assert cfg.priority is Priority.REALTIME  # exact KV everywhere: a hit gives a recompute's tokens

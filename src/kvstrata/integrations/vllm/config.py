@@ -150,6 +150,7 @@ _STORE_KEYS = (
     "ladder",
     "encryption_key",
     "namespace_quotas",
+    "durability",
 )
 # The RemoteConfig fields it may set, as remote_<field> (remote_url is the URL).
 _REMOTE_KEYS = ("cluster", "prefix", "ttl_s", "timeout_s", "write_through")
