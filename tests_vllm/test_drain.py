@@ -78,13 +78,13 @@ def stops(work_dir: Path, models: Models, root: Path) -> dict[str, object]:
         first = server("drain-1")
         out["exit_main"], answer_a = stop_right_after_the_answer(first, a, group=False)
         out["log_1"] = first.log_tail(200_000)
-        out["drains_1"] = [e for e in first.events() if e["event"] == "drain"]
+        out["events_1"] = first.events()
         second = server("drain-2")
         out["a"] = a + answer_a + [VOCAB_LOW] * 5  # the conversation goes on
         out["a_again"] = second.complete(out["a"], 4).cached_tokens  # type: ignore[arg-type]
         out["exit_group"], answer_b = stop_right_after_the_answer(second, b, group=True)
         out["log_2"] = second.log_tail(200_000)
-        out["drains_2"] = [e for e in second.events() if e["event"] == "drain"]
+        out["events_2"] = second.events()
         third = server("drain-3")
         out["b"] = b + answer_b + [VOCAB_LOW] * 5
         out["b_again"] = third.complete(out["b"], 4).cached_tokens  # type: ignore[arg-type]
@@ -95,16 +95,22 @@ def stops(work_dir: Path, models: Models, root: Path) -> dict[str, object]:
     return out
 
 
+def worker_drained(events: list[dict[str, object]]) -> None:
+    """The worker that saved the blocks drained its store on the stop, nothing left unsaved (the
+    scheduler's process drains too when vLLM gets to shut it down; its store holds no KV)."""
+    savers = {e["pid"] for e in events if e["event"] == "save"}
+    drains = [e for e in events if e["event"] == "drain"]
+    assert savers and savers <= {e["pid"] for e in drains}, drains
+    assert all(e["unsaved"] == 0 for e in drains), drains
+
+
 def test_sigterm_to_the_main_process_right_after_the_answer_keeps_its_blocks(stops) -> None:
     assert stops["a_again"] == full_blocks(stops["a"])  # type: ignore[arg-type]
     assert stops["exit_main"] == 0
     assert "raised from 0 to 10 s" in stops["log_1"]  # type: ignore[operator]
-    # the scheduler's and the worker's processes each drained their store, nothing left unsaved
-    assert len(stops["drains_1"]) == 2, stops["drains_1"]  # type: ignore[arg-type]
-    assert all(e["unsaved"] == 0 for e in stops["drains_1"])  # type: ignore[attr-defined]
+    worker_drained(stops["events_1"])  # type: ignore[arg-type]
 
 
 def test_sigterm_to_the_process_group_right_after_the_answer_keeps_its_blocks(stops) -> None:
     assert stops["b_again"] == full_blocks(stops["b"])  # type: ignore[arg-type]
-    assert len(stops["drains_2"]) == 2, stops["drains_2"]  # type: ignore[arg-type]
-    assert all(e["unsaved"] == 0 for e in stops["drains_2"])  # type: ignore[attr-defined]
+    worker_drained(stops["events_2"])  # type: ignore[arg-type]
