@@ -77,6 +77,7 @@ class Engine:
         budget: StepBudget | None = None,
         attention: str = "sdpa",
         pack_weights: bool = True,
+        share_prefixes: bool = True,
     ) -> None:
         """``l1_resident_sessions``: how many sessions' KV may stay decoded in device memory
         between their requests; the least recently served beyond that are demoted to L2.
@@ -90,7 +91,8 @@ class Engine:
         ``attention``: the per-row attention of the batched forward pass, ``sdpa`` or ``eager``.
         ``pack_weights``: pack the model's bf16 linear weights for oneDNN once, and pad fp32
         linear layers' inputs of 2 or 3 rows past a multiple of 4 (same results within rounding,
-        faster small-batch steps on the CPU; :mod:`kvstrata.integrations.transformers.packed_linear`)."""
+        faster small-batch steps on the CPU; :mod:`kvstrata.integrations.transformers.packed_linear`).
+        ``share_prefixes``: wait for prompt blocks another request computes (:mod:`.computing`)."""
         modes = {Priority.parse(p): mode for p, mode in (memory_modes or {}).items()}
         layout = model.layout(store.layout.block_tokens)
         if layout != store.layout:
@@ -116,6 +118,7 @@ class Engine:
             track_importance=track_importance,
             memory_modes=modes,
             spare_buffers=max(2, self.budget.max_sequences),  # a burst restores into paged-in memory
+            reopen=self._start_open if share_prefixes else None,
         )
         self._admission = Admission(queue_limit)
         self._worker = PriorityWorker("kvstrata-store", self.store_lock)
@@ -274,6 +277,8 @@ class Engine:
             return  # it ended while its restore waited
         realtime = inflight.request.priority is Priority.REALTIME
         try:
+            if self._jobs.wait_for_prefix(inflight):
+                return  # opened again once a running request saved the prompt blocks it computes
             self._jobs.open(inflight)
         except Exception as exc:  # the request's failure: its future raises it
             inflight.failure = exc
@@ -292,18 +297,13 @@ class Engine:
 
     def _progress(self, running: list[InFlight]) -> None:
         """Step thread: post the incremental checkpoints that are due (session_jobs.py)."""
-        due = []
-        for inflight in running:
-            upto = self._jobs.due(inflight)
-            if upto is not None:
-                inflight.saving = True
-                due.append((inflight, upto, inflight.computed_ids(inflight.saved, upto)))
-        if due:
+        if due := self._jobs.take_due(running):
             self._worker.submit(_COMMIT_RANK, lambda: self._jobs.save_running(due))
 
     def _commit(self, inflight: InFlight, reason: str) -> None:
         """Store worker: persist what the request computed, release its session, resolve it."""
         inflight.closed = True  # a restore still queued for it is skipped
+        self._jobs.ended(inflight)  # its waiters look again: its blocks are saved now (or never)
         failure = inflight.failure
         response = None
         try:

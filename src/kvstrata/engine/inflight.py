@@ -81,6 +81,13 @@ class InFlight:
     """An incremental checkpoint of it is queued or running (the step thread asks for one at a time)."""
     save_error: BaseException | None = None
     """An incremental checkpoint failed to append: no more of them; the commit raises it."""
+    awaited: bool = False
+    """Another request waits for prompt blocks it computes: it saves them as soon as they are
+    computed (:mod:`kvstrata.engine.computing`)."""
+    waited_on: InFlight | None = None
+    """The running request this one waited for (it may take that row's KV past the blocks saved)."""
+    borrowed: int = 0
+    """Prompt tokens whose KV its row took from ``waited_on``'s row, past its prefix (not prefilled)."""
 
     # the step thread
     admitted_at: float | None = None

@@ -30,15 +30,16 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from kvstrata.engine.batch import BatchRow
+from kvstrata.engine.computing import ComputingPrefixes
 from kvstrata.engine.inflight import InFlight
 from kvstrata.engine.prefix import Prefix, PrefixLoader, common_prefix
 from kvstrata.engine.requests import GenerationRequest, Response
-from kvstrata.errors import ConfigError
+from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 from kvstrata.integrations.transformers.model import LoadedModel
 from kvstrata.keys import LINEAGE_BYTES
@@ -60,7 +61,11 @@ class SessionJobs:
         track_importance: bool,
         memory_modes: Mapping[Priority, MemoryMode],
         spare_buffers: int = 2,
+        reopen: Callable[[InFlight], None] | None = None,
     ) -> None:
+        """``reopen(inflight)``: open a request again that waited for prompt blocks a running
+        request computes (in-flight prefix sharing, :mod:`kvstrata.engine.computing`; None: off,
+        every request computes what the store does not hold)."""
         if l1_resident_sessions < 1:
             raise ConfigError("l1_resident_sessions must be >= 1")
         for mode in memory_modes.values():
@@ -73,12 +78,30 @@ class SessionJobs:
         self.track_importance = track_importance
         self.memory_modes = memory_modes
         self.prefixes = PrefixLoader(store, spare_buffers=spare_buffers)
+        self.computing = None
+        if reopen is not None:
+            bt = store.layout.block_tokens
+            self.computing = ComputingPrefixes(store.block_key_chain, store.blocks.contains, bt, reopen)
         self._devices = layer_devices(model.model)
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._last_request: dict[tuple[str, str], float] = {}
         self._gaps: dict[tuple[str, str], float] = {}
 
     # -- open ------------------------------------------------------------------------------------
+    def ended(self, inflight: InFlight) -> None:
+        """The request left the batch: what it registered as computing is released."""
+        if self.computing is not None:
+            self.computing.ended(inflight)
+
+    def wait_for_prefix(self, inflight: InFlight) -> bool:
+        """Put the request's open off while a running request computes blocks of its prompt
+        (True: it is opened again once they are saved; :mod:`kvstrata.engine.computing`)."""
+        owner = self.computing.blocking(inflight) if self.computing is not None else None
+        if owner is None:
+            return False
+        self.computing.wait(inflight, owner)  # type: ignore[union-attr]
+        return True
+
     def open(self, inflight: InFlight) -> None:
         """Restore the request's prefix and build its row (on the inflight); raises on failure
         (the lease, if taken, stays on ``inflight.lease`` for the commit to release)."""
@@ -109,8 +132,32 @@ class SessionJobs:
                     devices=self._devices,
                     extra_tokens=total_new,
                 )
-        inflight.session, inflight.prefix, inflight.prefill = session, prefix, prompt_ids[start:]
+            borrowed = self._borrow(inflight, cache, start) if prefix.kept_blocks is None else 0
+        inflight.session, inflight.prefix, inflight.prefill = session, prefix, prompt_ids[start + borrowed :]
+        inflight.borrowed = borrowed
         inflight.row = BatchRow(cache, position_offset=start - slots, track_attention=self.track_importance)
+        if self.computing is not None:
+            self.computing.register(inflight)
+
+    def _borrow(self, inflight: InFlight, cache: KVStrataCache, start: int) -> int:
+        """Put into ``cache`` the KV of the request's prompt tokens from ``start`` on that the row
+        it waited for computed already (past the full blocks the store gave); how many."""
+        if self.computing is None or not inflight.request.use_cache:
+            return 0
+        found = self.computing.borrowable(inflight, start)
+        if found is None:
+            return 0
+        owner, stop = found
+        assert owner.row is not None
+        try:  # the step thread may be appending to that row: only what every layer held is read
+            kv = owner.row.cache.new_kv(start, stop)
+        except (KVStrataError, RuntimeError, IndexError):
+            return 0  # it changed under the read (it ended, or a layer's view was being replaced)
+        if kv.shape[3] != stop - start:
+            return 0
+        for layer in range(kv.shape[1]):
+            cache.update(kv[0, layer].unsqueeze(0), kv[1, layer].unsqueeze(0), layer)
+        return stop - start
 
     # -- commit ----------------------------------------------------------------------------------
     def due(self, inflight: InFlight) -> int | None:
@@ -125,9 +172,22 @@ class SessionJobs:
         bt = self.store.layout.block_tokens
         start = prefix.num_tokens
         upto = (start + row.length - prefix.slots) // bt * bt - start
-        if upto - inflight.saved < self.store.config.checkpoint_every_tokens:
-            return None
-        return upto
+        if upto - inflight.saved >= self.store.config.checkpoint_every_tokens:
+            return upto
+        if inflight.awaited and upto > inflight.saved:
+            return upto  # another request waits for these blocks
+        return None
+
+    def take_due(self, running: list[InFlight]) -> list[tuple[InFlight, int, list[int]]]:
+        """Step thread: the incremental checkpoints due among ``running`` (each marked as saving),
+        with the ids of the tokens they save."""
+        due = []
+        for inflight in running:
+            upto = self.due(inflight)
+            if upto is not None:
+                inflight.saving = True
+                due.append((inflight, upto, inflight.computed_ids(inflight.saved, upto)))
+        return due
 
     def save_running(self, due: list[tuple[InFlight, int, list[int]]]) -> None:
         """Store worker: append each running request's computed tokens up to its ``upto`` (with
@@ -139,6 +199,8 @@ class SessionJobs:
                 if not inflight.closed:
                     self._append(inflight, upto, ids)
                     appended.append(inflight)
+                    if self.computing is not None and inflight.session is not None:
+                        self.computing.saved(inflight, inflight.session.num_tokens)
             except Exception as exc:  # the commit raises it: the request fails at its end
                 inflight.save_error = exc
                 inflight.saving = False
@@ -206,9 +268,9 @@ class SessionJobs:
             text=decoder.text,
             token_ids=list(decoder.token_ids),
             prompt_tokens=prompt_tokens,
-            cached_tokens=prefix.num_tokens,
+            cached_tokens=prefix.num_tokens + inflight.borrowed,
             cached_by_tier=prefix.by_tier,
-            prefill_tokens=prompt_tokens - prefix.num_tokens,
+            prefill_tokens=prompt_tokens - prefix.num_tokens - inflight.borrowed,
             completion_tokens=len(decoder.token_ids),
             finish_reason=finish,
             recomputed_reason="; ".join(prefix.reasons) or None,

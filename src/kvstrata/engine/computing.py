@@ -1,0 +1,151 @@
+"""In-flight prefix sharing: a prompt's blocks that a running request is computing right now.
+
+The store shares a block once it is written; agents that arrive together (eight of them with one
+system prompt) would each compute the shared blocks before any is written. So each running
+request registers the full blocks of its prompt that it computes itself (their chained keys: a
+block's key is the content of its whole prefix), and a request whose prompt needs one of them,
+when its row is about to be opened, waits for it instead: its open is put off until the running
+request has saved those blocks (its incremental checkpoints append them as soon as they are
+computed while someone waits: :meth:`SessionJobs.due <kvstrata.engine.session_jobs.SessionJobs.due>`),
+and then it loads them from the store like any stored prefix, takes the KV of the shared tokens
+past the last full block from the running request's row (a system prompt rarely ends on a block
+boundary; no stored block can give them) and computes only the rest. A request that ends
+(finished, cancelled or failed) releases what it registered, and its waiters look again
+(computing themselves what nobody computes any more). A request never waits for one of a less
+demanding class (the step scheduler may put that one's prefill after its own). Requests share
+only within a namespace (the keys are chained from the namespace's root) and only exact KV (no
+pruned or encoded rows).
+
+Runs on the engine's store worker only (opens, checkpoints and commits all do), so it needs no
+lock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.engine.inflight import InFlight
+from kvstrata.keys import BlockKey
+from kvstrata.priority import Priority
+
+KeyChain = Callable[[str, Sequence[int]], list[BlockKey]]
+"""``(namespace, token_ids)`` -> the keys of the full blocks of ``token_ids``."""
+
+
+@dataclass(slots=True)
+class _Computing:
+    blocks: list[tuple[int, BlockKey]]
+    """(end position, key) of the prompt's full blocks the request computes, in order."""
+    waiters: list[InFlight] = field(default_factory=list)
+
+
+class ComputingPrefixes:
+    def __init__(
+        self,
+        key_chain: KeyChain,
+        holds: Callable[[BlockKey], bool],
+        block_tokens: int,
+        reopen: Callable[[InFlight], None],
+    ) -> None:
+        """``key_chain``: the store's chained block keys; ``holds(key)``: whether a tier of the
+        store holds the block; ``reopen(inflight)``: open a waiting request's row again (the
+        engine queues it)."""
+        self.key_chain = key_chain
+        self.holds = holds
+        self.block_tokens = block_tokens
+        self.reopen = reopen
+        self._owner: dict[BlockKey, InFlight] = {}
+        self._by_request: dict[str, _Computing] = {}
+
+    def blocking(self, inflight: InFlight) -> InFlight | None:
+        """The running request computing the first block of ``inflight``'s prompt that the store
+        does not hold, when ``inflight`` should wait for it; None when it computes that block
+        itself: nobody computes it, or only a request of a less demanding class (a realtime
+        request never waits behind an interactive one's prefill, which the step scheduler may
+        put after its own)."""
+        if not self._owner or not inflight.request.use_cache:
+            return None
+        rank = Priority(inflight.request.priority).rank
+        usable = inflight.prompt_ids[: len(inflight.prompt_ids) - 1]  # the last token is computed
+        for key in self.key_chain(inflight.request.namespace, usable):
+            if self.holds(key):
+                continue
+            owner = self._owner.get(key)
+            if owner is None or owner is inflight or Priority(owner.request.priority).rank > rank:
+                return None
+            return owner
+        return None
+
+    def wait(self, inflight: InFlight, owner: InFlight) -> None:
+        """``inflight`` waits for ``owner``'s blocks; ``owner`` saves them as soon as it computes them."""
+        self._by_request[owner.request_id].waiters.append(inflight)
+        owner.awaited = True
+        inflight.waited_on = owner
+
+    def register(self, inflight: InFlight) -> None:
+        """The opened ``inflight`` computes its prompt past its prefix: its full blocks there."""
+        session, prefix = inflight.session, inflight.prefix
+        if session is None or prefix is None or prefix.kept_blocks is not None or session.pruned:
+            return  # no session to save them, or keys of a lineage of their own
+        bt = self.block_tokens
+        chain = self.key_chain(inflight.request.namespace, inflight.prompt_ids)
+        blocks = [((i + 1) * bt, key) for i, key in enumerate(chain) if (i + 1) * bt > prefix.num_tokens]
+        if not blocks:
+            return
+        self._by_request[inflight.request_id] = _Computing(blocks)
+        for _, key in blocks:
+            self._owner.setdefault(key, inflight)
+
+    def saved(self, inflight: InFlight, num_tokens: int) -> None:
+        """``inflight``'s session holds its first ``num_tokens`` tokens now: the blocks up to there
+        are in the store; its waiters look again."""
+        computing = self._by_request.get(inflight.request_id)
+        if computing is None:
+            return
+        done = [key for end, key in computing.blocks if end <= num_tokens]
+        computing.blocks = [(end, key) for end, key in computing.blocks if end > num_tokens]
+        self._release(inflight, done)
+        waiters, computing.waiters = computing.waiters, []
+        inflight.awaited = False  # until a waiter that still needs a block waits again
+        if not computing.blocks:
+            del self._by_request[inflight.request_id]
+        for waiter in waiters:
+            self.reopen(waiter)
+
+    def ended(self, inflight: InFlight) -> None:
+        """``inflight`` left (committed or failed): nothing of it is computing any more."""
+        computing = self._by_request.pop(inflight.request_id, None)
+        if computing is None:
+            return
+        self._release(inflight, [key for _, key in computing.blocks])
+        for waiter in computing.waiters:
+            self.reopen(waiter)
+
+    @staticmethod
+    def borrowable(inflight: InFlight, start: int) -> tuple[InFlight, int] | None:
+        """The row of the request ``inflight`` waited for, and the position up to which it holds
+        the KV of ``inflight``'s own prompt tokens from ``start`` on (the part of a block that no
+        stored block can give: a shared system prompt rarely ends on a block boundary); None when
+        there is nothing to take. Positions are its cache slots: such a row has no pruned prefix."""
+        owner = inflight.waited_on
+        if owner is None or owner.closed or owner.row is None or owner.prefix is None:
+            return None
+        if owner.prefix.kept_blocks is not None or owner.session is None or owner.session.pruned:
+            return None
+        if owner.row.cache.pages is not None:
+            return None  # its slots are not positions: blocks held encoded come first
+        # the tokens every layer holds: a step running now appends layer by layer (and the
+        # step thread only ever appends past what the layers hold between steps)
+        computed = min(layer.get_seq_length() for layer in owner.row.cache.layers)
+        mine, theirs = inflight.prompt_ids, owner.prompt_ids
+        end = min(computed, len(mine) - 1, len(theirs))  # leave one prompt token to compute
+        stop = start
+        while stop < end and mine[stop] == theirs[stop]:
+            stop += 1
+        return (owner, stop) if stop > start else None
+
+    def _release(self, inflight: InFlight, keys: list[BlockKey]) -> None:
+        for key in keys:
+            if self._owner.get(key) is inflight:
+                del self._owner[key]

@@ -1,0 +1,183 @@
+"""In-flight prefix sharing: agents that arrive together with one system prompt compute it once.
+
+Eight requests share a 205-token prefix and each has a suffix of its own; they are submitted at
+the same moment, so none of the prefix is in the store when they open. One of them computes it;
+the others wait for its blocks and load them (25 full blocks), take the KV of the shared prefix's
+last 5 tokens from its row, and compute only their suffix. The work is counted in the prompt
+tokens the batch's steps computed (their prefill chunks), not in times. A computing request that
+is cancelled leaves its waiters to compute the rest themselves; a waiter cancelled while it waits
+ends at once; a realtime request never waits behind an interactive one's prefill.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvstrata import KVStore, StoreConfig
+from kvstrata.engine import Engine, GenerationRequest, Response, SamplingParams, StepReport
+from kvstrata.engine.batch import StepBudget
+from kvstrata.engine.budget import batch_budget
+from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
+from kvstrata.policy.ladder import CodecLadder
+
+BLOCK_TOKENS = 8
+SHARED = [(13 * i) % 180 + 20 for i in range(205)]  # 25 full blocks and 5 tokens of a 26th
+AGENTS = 8
+SUFFIX = 20
+CHUNK = 64  # a prefill chunk in the tests that stop the computing request between its chunks
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    root = tmp_path_factory.mktemp("tiny")
+    return load_model(save_tiny_llama(root / "model", seed=7), cache_dir=root / "cache", progress=False)
+
+
+def prompt(agent: int) -> list[int]:
+    return SHARED + [(agent * 31 + j * 7) % 150 + 3 for j in range(SUFFIX)]
+
+
+def request(agent: int, priority: str = "interactive") -> GenerationRequest:
+    sampling = SamplingParams(6, 0.0, ignore_eos=True)
+    return GenerationRequest(f"agent-{agent}", prompt_ids=prompt(agent), sampling=sampling, priority=priority)
+
+
+class Engines:
+    """An engine on a fresh store, counting the prompt tokens its steps compute."""
+
+    def __init__(self, tiny: LoadedModel, root: Path, *, share: bool, budget: StepBudget | None = None):
+        config = StoreConfig(ladder=CodecLadder.exact())
+        layout = tiny.layout(BLOCK_TOKENS)
+        self.store = KVStore(root, layout, model_fingerprint=tiny.fingerprint, config=config)
+        self.engine = Engine(tiny, self.store, share_prefixes=share, budget=budget)
+        self.computed = 0  # prompt tokens the steps computed (every request's prefill chunks)
+        self.steps = 0
+        self.engine.add_step_listener(self._count)
+
+    def _count(self, report: StepReport) -> None:
+        if report.interrupted:
+            return
+        self.steps += bool(report.plan.slots)
+        self.computed += sum(s.tokens for s in report.plan.slots if s.phase.value == "prefill")
+
+    def close(self) -> None:
+        self.engine.close()
+        self.store.close()
+
+
+def chunked() -> StepBudget:
+    return replace(batch_budget(16), prefill_chunk=CHUNK)
+
+
+def run_together(tiny: LoadedModel, root: Path, *, share: bool) -> tuple[list[Response], int]:
+    run = Engines(tiny, root, share=share)
+    try:
+        with run.engine.store_lock:  # no row opens before the last request arrived: at the same moment
+            futures = [run.engine.submit(request(i)) for i in range(AGENTS)]
+        return [future.result(timeout=TIMEOUT) for future in futures], run.computed
+    finally:
+        run.close()
+
+
+def test_agents_that_arrive_together_compute_the_shared_prefix_once(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    shared, computed_shared = run_together(tiny, tmp_path / "shared", share=True)
+    alone, computed_alone = run_together(tiny, tmp_path / "alone", share=False)
+    # without sharing, every agent computes the whole prompt (none of it was stored yet)
+    assert [r.cached_tokens for r in alone] == [0] * AGENTS
+    assert computed_alone == AGENTS * (len(SHARED) + SUFFIX)
+    # with it, one computes it and the seven others load its 25 blocks (and take the 5 tokens past them)
+    cached = sorted(r.cached_tokens for r in shared)
+    assert cached == [0] + [len(SHARED)] * (AGENTS - 1)
+    assert computed_shared == len(SHARED) + AGENTS * SUFFIX  # what the steps computed
+    assert sum(r.prefill_tokens for r in shared) == computed_shared  # what the responses say
+    # the same answers as each computed alone
+    assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
+
+
+def test_a_cancelled_computing_request_leaves_its_waiters_to_compute_the_rest(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    run = Engines(tiny, tmp_path / "store", share=True, budget=chunked())
+    cancelled = threading.Event()
+    try:
+
+        def cancel_after_the_first_chunk(report: StepReport) -> None:
+            if report.plan.slots and not cancelled.is_set():
+                cancelled.set()
+                first.cancel()  # stops it before its next step: it computed one chunk
+
+        run.engine.add_step_listener(cancel_after_the_first_chunk)
+        with run.engine.store_lock:
+            first = run.engine.stream(request(0))  # opened first: it computes the prefix
+            futures = [run.engine.submit(request(i)) for i in range(1, AGENTS)]
+        others = [future.result(timeout=TIMEOUT) for future in futures]
+        owner = first.result(timeout=TIMEOUT)
+    finally:
+        run.close()
+    assert owner.finish_reason == "cancelled"
+    assert [r.finish_reason for r in others] == ["length"] * (AGENTS - 1)
+    # one of the waiters computed the rest of the prefix (from the cancelled one's saved chunk
+    # on), the others loaded it: the prefix was computed once in all
+    assert sorted(r.cached_tokens for r in others) == [CHUNK] + [len(SHARED)] * (AGENTS - 2)
+    assert run.computed == len(SHARED) + (AGENTS - 1) * SUFFIX
+
+
+def test_a_waiter_cancelled_while_it_waits_ends_and_the_others_go_on(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    run = Engines(tiny, tmp_path / "store", share=True, budget=chunked())
+    seen = threading.Event()
+    try:
+
+        def cancel_a_waiter(report: StepReport) -> None:
+            if report.plan.slots and not seen.is_set():
+                seen.set()
+                # the store worker opened every request by now: agent 3 waits for agent 0's blocks
+                run.engine._worker.wait_idle(TIMEOUT)
+                handles[3].cancel()
+
+        run.engine.add_step_listener(cancel_a_waiter)
+        with run.engine.store_lock:
+            handles = [run.engine.stream(request(i)) for i in range(AGENTS)]
+        responses = [handle.result(timeout=TIMEOUT) for handle in handles]
+    finally:
+        run.close()
+    waiter = responses.pop(3)
+    assert waiter.finish_reason == "cancelled" and waiter.token_ids == []
+    assert [r.finish_reason for r in responses] == ["length"] * (AGENTS - 1)
+    assert sorted(r.cached_tokens for r in responses) == [0] + [len(SHARED)] * (AGENTS - 2)
+    assert run.computed == len(SHARED) + (AGENTS - 1) * SUFFIX
+
+
+def test_a_realtime_request_does_not_wait_for_an_interactive_prefill(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """An interactive request computes the prefix; a realtime one arriving meanwhile computes it
+    too (its steps come first); a background one waits for the interactive one's blocks."""
+    run = Engines(tiny, tmp_path / "store", share=True, budget=chunked())
+    later: dict[str, object] = {}
+    try:
+
+        def arrive_during_its_prefill(report: StepReport) -> None:
+            if report.plan.slots and not later:
+                later["realtime"] = run.engine.submit(request(1, "realtime"))
+                later["background"] = run.engine.submit(request(2, "background"))
+                run.engine._worker.wait_idle(TIMEOUT)  # both opened while agent 0 computes
+
+        run.engine.add_step_listener(arrive_during_its_prefill)
+        interactive = run.engine.submit(request(0)).result(timeout=TIMEOUT)
+        realtime = later["realtime"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+        background = later["background"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+    finally:
+        run.close()
+    assert interactive.cached_tokens == 0
+    assert realtime.cached_tokens == 0  # nothing of the prefix was stored yet: it computed it all
+    assert background.cached_tokens == len(SHARED)  # it waited for agent 0's blocks
+    assert run.computed == 2 * len(SHARED) + 3 * SUFFIX
