@@ -34,6 +34,7 @@ SUITES: dict[str, str] = {
     "soak": "soak",
     "fuzz": "fuzz",
     "crash": "crash",
+    "arrivals": "arrivals",
 }
 """``kvstrata bench <name>`` -> its package in this package (the command is in its ``runner``)."""
 
