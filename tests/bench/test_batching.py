@@ -130,3 +130,36 @@ def test_histories_spread_and_parse() -> None:
     assert batching.parse_dtypes("bf16,fp32,bf16") == ["bf16", "fp32"]
     with pytest.raises(ConfigError, match="MIN <= MAX"):
         batching.parse_history("5:2")
+
+
+def test_the_serve_table_reports_the_goals_of_issue_31() -> None:
+    """The serve mode's notes: tok/s at 8 sessions against 0.8x vLLM's, one agent's ITL against
+    1.1x vLLM's, and each server's first burst after its start against a later one (1.2x)."""
+    from kvstrata.bench.batching import serving
+
+    def entry(tps: float, itl: float) -> dict[str, object]:
+        return {
+            "tokens_per_s": tps,
+            "ttft_s": {q: 0.1 for q in ("50", "90", "99")},
+            "itl_s": {"50": itl, "99": itl},
+            "prompt_tokens": 100,
+            "cached_tokens": 90,
+            "errors": 0,
+        }
+
+    result = {
+        "dtype": "bfloat16",
+        "threads": 1,
+        "max_batch": 16,
+        "kvstrata": {"1": entry(20, 0.060), "8": entry(90, 0.09)},
+        "vllm": {"1": entry(25, 0.050), "8": entry(100, 0.08)},
+        "first_burst": {
+            "kvstrata": {"tokens_per_s": 60.0, "later_over_first": 1.5},
+            "vllm": {"tokens_per_s": 98.0, "later_over_first": 1.02},
+        },
+    }
+    notes = "\n".join(serving.peer_table(result).notes)
+    assert "at least 80% of vLLM's tok/s; measured 90% (met)" in notes
+    assert "ITL p50 against vLLM's: 1.20x (goal at most 1.1x: MISSED)" in notes
+    assert "kvstrata: the first burst of 8 after the start 60.0 tok/s; a later one 1.50x that" in notes
+    assert "vllm: the first burst" in notes and "within 1.2x: met" in notes
