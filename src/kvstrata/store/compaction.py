@@ -1,9 +1,12 @@
 """Compaction of L3 segments: the live records of mostly empty segments copied into new ones.
 
 A checkpoint writes its blocks as one segment file; blocks deleted later (gc, eviction, a block
-moved to ``cold/``) leave holes, since a segment never changes once in place. After a long run a
-store can hold segments that are mostly holes: disk space the budget no longer counts but the file
-system still holds. ``kvstrata gc --compact`` gives it back.
+moved to ``cold/``) leave holes, since a segment's records never move once in place. Where the
+file system can, a hole is punched as its row goes (``fallocate``, :meth:`DiskFiles.release`) and
+gives its space back at once, but for the partial pages at its edges; where it cannot, the space
+stays taken: disk space the budget no longer counts but the file system still holds. ``kvstrata
+gc --compact`` gives it back, and a bounded L3 compacts the segments its evictions left so
+(:meth:`Compactor.compact_segments`), so that it stays within its budget on the disk.
 
 Crash-safe order, per segment (each step only after the previous one is durable):
   1. the live records are read and verified (CRC32C, key, layout): a damaged record stays where it
@@ -21,6 +24,7 @@ hole. Run under the gc lock: one maintenance pass at a time.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvstrata.crypto import Keyring
@@ -31,7 +35,7 @@ from kvstrata.store.kvbin import decode_record
 from kvstrata.store.recovery.identity import seq_of
 from kvstrata.store.recovery.records import segment_info_parts, trailing_info_bytes
 from kvstrata.store.tiers.disk.cache import PlacementCache
-from kvstrata.store.tiers.disk.fileio import PendingSegment, read_range, write_segment
+from kvstrata.store.tiers.disk.fileio import PendingSegment, read_range, taken_bytes, write_segment
 from kvstrata.store.tiers.disk.files import DiskFiles
 
 DEFAULT_HOLE_FRACTION = 0.5
@@ -70,17 +74,27 @@ class Compactor:
 
     def compact(self, hole_fraction: float = DEFAULT_HOLE_FRACTION) -> CompactReport:
         """Compact every segment whose holes are at least ``hole_fraction`` of its file."""
+        return self._compact(hole_fraction, None)
+
+    def compact_segments(self, segment_ids: Collection[str]) -> CompactReport:
+        """Compact these segments whatever their holes: what a bounded L3 does after an eviction
+        left holes that the file system could not punch (:meth:`DiskFiles.release`)."""
+        return self._compact(0.0, set(segment_ids))
+
+    def _compact(self, hole_fraction: float, only: set[str] | None) -> CompactReport:
         started = time.perf_counter()
         live = self._blocks.segment_live_bytes()
         compacted = moved = reclaimed = left = 0
         for segment_id, path in list(self._files.iter_segments()):
             if segment_id is None or segment_id not in live:
                 continue  # foreign, or no live record: the orphan sweep's
+            if only is not None and segment_id not in only:
+                continue
             try:
-                size = path.stat().st_size
+                size = taken_bytes(path.stat())  # the holes punched already gave theirs back
             except FileNotFoundError:
                 continue
-            if size == 0 or (size - live[segment_id]) / size < hole_fraction:
+            if size == 0 or size <= live[segment_id] or (size - live[segment_id]) / size < hole_fraction:
                 continue
             result = self._compact_one(segment_id)
             if result is None:

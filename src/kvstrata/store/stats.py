@@ -53,6 +53,8 @@ class TierStats:
     live: bool = True
     evictions: int = 0
     """Blocks removed for good to make room (the bounded L3 only)."""
+    hole_reclaim: str = ""
+    """L3: how deleted records' space in segments is given back (``SegmentSpace.hole_reclaim``)."""
     """False: figures of the last process that closed the store (memory tiers are volatile)."""
 
 
@@ -127,9 +129,11 @@ class StoreStatistics:
             by_codec = {CodecId(codec).name.lower(): n for codec, n in encoded.bytes_by_codec().items()}
             logical = encoded.logical_bytes()
         fragmentation = usage.fragmentation_bytes
+        hole_reclaim = ""
         if segments is not None:  # L3: the holes deleted blocks left in segments
             _, file_bytes, live_bytes = segments.segment_space()
             fragmentation = max(0, file_bytes - live_bytes)
+            hole_reclaim = segments.hole_reclaim
         return TierStats(
             tier.level.name,
             usage.blocks,
@@ -146,6 +150,7 @@ class StoreStatistics:
             logical,
             round(logical / usage.stored_bytes, 3) if usage.stored_bytes else 1.0,
             evictions=c.evictions,
+            hole_reclaim=hole_reclaim,
         )
 
     def _snapshot(self) -> dict:  # type: ignore[type-arg]

@@ -163,3 +163,8 @@ class SegmentSpace(Protocol):
     def segment_space(self) -> tuple[int, int, int]:
         """(segment files, their bytes, bytes of the records they still hold)."""
         ...
+
+    hole_reclaim: str
+    """How the space of a record deleted from a segment went back to the file system last:
+    ``"punch"`` (a hole punched at once), ``"compact"`` (its file system cannot punch: the segment
+    is compacted), or ``""`` (no record deleted from a segment yet)."""

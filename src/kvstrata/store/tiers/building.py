@@ -9,6 +9,7 @@ from pathlib import Path
 from kvstrata.config import StoreConfig
 from kvstrata.crypto import Keyring
 from kvstrata.layout import KVLayout
+from kvstrata.store.compaction import Compactor
 from kvstrata.store.index import Index
 from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.tiers.base import Tier
@@ -55,5 +56,6 @@ def build_tiers(
         alive=processes.alive if processes is not None else None,
         direct_writes=config.l3_direct_writes,
         direct_reads=config.l3_direct_reads,
+        compactor=lambda *parts: Compactor(*parts).compact_segments,
     )
     return memory, disk, remote

@@ -11,8 +11,11 @@ after all that is durable does the caller commit the index rows (one transaction
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno as _errno
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,57 @@ def ensure_dir(path: Path) -> None:
         return
     path.mkdir(parents=True, exist_ok=True)
     fsync_dir(path.parent)
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_PUNCH_REFUSED = frozenset({_errno.EOPNOTSUPP, _errno.ENOSYS, _errno.EINVAL})
+"""What ``fallocate`` answers on a file system that cannot punch holes (EINVAL: one that knows
+no such mode)."""
+
+
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return None  # no C library with fallocate: holes are never punched, segments compacted
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fallocate.restype = ctypes.c_int
+    return fallocate
+
+
+_fallocate = _load_fallocate()
+
+
+def taken_bytes(st: os.stat_result) -> int:
+    """Bytes a file takes: its size, less what punched holes gave back (its allocated blocks when
+    fewer; a file's last block rounded up is not counted)."""
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def punch_hole(path: Path, offset: int, length: int) -> int | None:
+    """Give the disk space of ``length`` bytes at ``offset`` back to the file system
+    (``fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)``: they read as zeros after, the file
+    keeps its size; the pages only partly inside the range are zeroed there and stay); the bytes
+    the file's allocation shrank by (0 when the file is gone). None when its file system cannot
+    punch holes: the caller compacts the file instead."""
+    if _fallocate is None:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return 0
+    try:
+        before = os.fstat(fd).st_blocks * 512
+        if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+            errno = ctypes.get_errno()
+            if errno in _PUNCH_REFUSED:
+                return None
+            raise OSError(errno, f"cannot punch a hole in {path}: {os.strerror(errno)}")
+        return max(0, before - os.fstat(fd).st_blocks * 512)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

@@ -17,7 +17,7 @@ from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.processes import is_token
 from kvstrata.store.recovery.identity import new_file_id
 from kvstrata.store.recovery.records import trailing_info_bytes
-from kvstrata.store.tiers.disk.fileio import drop_page_cache, ensure_dir, fsync_dir
+from kvstrata.store.tiers.disk.fileio import drop_page_cache, ensure_dir, fsync_dir, punch_hole, taken_bytes
 
 _STALE_TEMP_S = 3600.0
 """A temp file of an unknown writer (written before writers were named) is a leftover once this
@@ -141,15 +141,26 @@ class DiskFiles:
         """Where a file on its way to ``final`` is written first (named after this process)."""
         return self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
 
-    def release(self, key: BlockKey, placement: Placement) -> None:
+    def release(self, key: BlockKey, placement: Placement) -> str:
         """A row naming ``placement`` is gone: remove its block file, or its segment once no row
-        names the segment any more (rows only ever leave a segment, so that stays so)."""
+        names the segment any more (rows only ever leave a segment, so that stays so); a segment
+        other rows still name gets the record's range back as a hole, so that a bounded L3 stays
+        within its budget on the disk, not only in live bytes (a reader of another process that
+        looked the row up before it went then reads zeros: :meth:`RecordIO.verify` finds the row
+        gone and takes it for the miss it is). ``"punch"`` when a hole was punched, ``"compact"``
+        when the segment's file system cannot punch one (the range takes its space until the
+        segment is compacted), ``""`` when a whole file went."""
         if not placement.in_segment:
             self._sync_index()  # the row's deletion durable before its file goes
             self.path_for(key, placement.cold, placement.file_id).unlink(missing_ok=True)
         elif self._segment_refs(placement.file_id) == 0:
             self._sync_index()
             self.segment_path(placement.file_id).unlink(missing_ok=True)
+        else:
+            self._sync_index()  # as for a file: the range must not go while a row may name it
+            path = self.segment_path(placement.file_id)
+            return "compact" if punch_hole(path, placement.offset or 0, placement.nbytes) is None else "punch"
+        return ""
 
     def remove_segment(self, segment_id: str) -> None:
         """Remove a segment no row names any more (its rows were moved: compaction)."""
@@ -219,12 +230,12 @@ class DiskFiles:
                 yield parse_segment_name(entry.name), Path(entry.path)
 
     def segment_files(self) -> tuple[int, int]:
-        """(segment files, their bytes; each one's info record not counted: it is neither a
-        block nor a hole)."""
+        """(segment files, the bytes they take: punched holes not counted, nor each one's info
+        record: it is neither a block nor a hole)."""
         files = total = 0
         for _, path in self.iter_segments():
             try:
-                total += path.stat().st_size - trailing_info_bytes(path)
+                total += taken_bytes(path.stat()) - trailing_info_bytes(path)
             except FileNotFoundError:
                 continue
             files += 1

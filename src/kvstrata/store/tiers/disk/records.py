@@ -152,9 +152,12 @@ class RecordIO:
             self._cache.remember(key, placement._replace(cold=not placement.cold))
         return data, path
 
-    def verify(self, key: BlockKey, data: memoryview, path: Path) -> tuple[RecordHeader, EncodedBlock]:
+    def verify(self, key: BlockKey, data: memoryview, path: Path) -> tuple[RecordHeader, EncodedBlock] | None:
         """``key``'s record bytes checked (length, CRC32C, key, layout; opened when sealed); a
-        corrupt record is quarantined and raises ``CorruptBlockError``."""
+        corrupt record is quarantined and raises ``CorruptBlockError``. None when the bytes did
+        not check out because the record was released after this reader looked its row up (its
+        range in a segment punched, or the block moved): the index no longer names that file for
+        it, so it is a miss, not damage."""
         try:
             header, encoded = decode_record(
                 data,
@@ -164,6 +167,9 @@ class RecordIO:
                 keyring=self.keyring,
             )
         except CorruptBlockError:
+            fresh = self._cache.refresh(key)
+            if fresh is None or self._files.file_of(key, fresh) != path:
+                return None
             if not self._read_only:
                 self.quarantine(key, path, data)
             raise
@@ -181,7 +187,10 @@ class RecordIO:
         if found is None:
             return None
         data, path = found
-        header, encoded = self.verify(key, data, path)
+        verified = self.verify(key, data, path)
+        if verified is None:
+            return None
+        header, encoded = verified
         return header, encoded, data
 
     def quarantine(self, key: BlockKey, path: Path, data: memoryview | None = None) -> None:

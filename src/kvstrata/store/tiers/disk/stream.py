@@ -344,10 +344,13 @@ class SegmentStream:
         if data is None:
             return None  # the file ends early: the per-block read reports it
         try:
-            header, encoded = self._records.verify(extent.key, data, chunk.path)
+            verified = self._records.verify(extent.key, data, chunk.path)
         except VERIFY_ERRORS as exc:
             sink.unreadable(exc)
             return None  # quarantined: the per-block path tries L4, or counts the miss
+        if verified is None:
+            return None  # released meanwhile: the per-block path finds it gone
+        header, encoded = verified
         if encoded.codec != extent.placement.codec:
             return None
         block = KVBlock(extent.key, header.num_tokens, header.start_pos, None, encoded, header.namespace)

@@ -22,12 +22,13 @@ corruption.
 
 A batch of two or more blocks (a checkpoint's group commit, :mod:`.batch`) is written as ONE
 segment file (``segments/<segment id>.kvseg``): the same records back to back, one fsync and one
-rename for all of them, each row naming the segment and the record's offset. Segments never change
-once in place: a block deleted from one leaves a hole (counted in ``segment_space``; ``kvstrata gc
---compact`` copies the live records of a mostly empty segment into a new one), and the file goes
-when its last row does. A restore reads a segment's records as large sequential ranges straight
-into its buffer (:meth:`DiskTier.read_extents`, :mod:`.stream`). Moving a block to ``cold/``
-copies its record out into a file of its own.
+rename for all of them, each row naming the segment and the record's offset. A segment's records
+never move once in place: a block deleted from one leaves a hole, punched at once where the file
+system can (its space given back; otherwise counted in ``segment_space``, and ``kvstrata gc
+--compact`` copies the live records of a mostly empty segment into a new one, as a bounded L3 does
+after evicting), and the file goes when its last row does. A restore reads a segment's records as
+large sequential ranges straight into its buffer (:meth:`DiskTier.read_extents`, :mod:`.stream`).
+Moving a block to ``cold/`` copies its record out into a file of its own.
 
 The tier is made of parts, each with one concern: the file layer (:class:`~.files.DiskFiles`),
 the record reader and writer (:class:`~.records.RecordIO`), the placement cache, the segment
@@ -36,7 +37,7 @@ stream, and, for a bounded L3, the evictor it is built with (:class:`~.evictor.E
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -62,6 +63,12 @@ from kvstrata.store.tiers.disk.stream import SegmentStream, StreamSink
 from kvstrata.tiering import TierLevel, TierUsage
 from kvstrata.transfer import DeviceCopier
 
+CompactorFactory = Callable[
+    [DiskFiles, PlacementCache, BlockTable, KVLayout, Keyring | None], Callable[[Collection[str]], object]
+]
+"""Builds, over a disk tier's parts, what compacts the given segments whatever their holes
+(:meth:`kvstrata.store.compaction.Compactor.compact_segments`)."""
+
 
 class DiskTier:
     level = TierLevel.L3
@@ -76,6 +83,7 @@ class DiskTier:
         *,
         budget_bytes: int | None = None,
         evictor: Evictor | None = None,
+        compact_segments: Callable[[Collection[str]], object] | None = None,
         direct_writes: bool = True,
         direct_reads: bool = True,
         read_only: bool = False,
@@ -83,7 +91,9 @@ class DiskTier:
         """``files``, ``records`` and ``cache`` are the tier's file layer, record reader/writer
         and placement cache over ``blocks`` (the index's block rows); see :func:`open_disk_tier`.
         ``evictor`` makes room (evicting) when a write would pass ``budget_bytes`` or a
-        namespace's quota; without one such a write is refused. ``direct_writes``: group commits
+        namespace's quota; without one such a write is refused; ``compact_segments`` rewrites
+        the segments whose evicted records' space the file system would not give back (their
+        holes could not be punched). ``direct_writes``: group commits
         write their segments past the page cache (:mod:`.direct_writes`) where the platform can;
         ``direct_reads``: restores read cold segments so too."""
         self.layout = layout
@@ -93,6 +103,9 @@ class DiskTier:
         self._blocks = blocks
         self.budget_bytes = budget_bytes
         self._evictor = evictor
+        self._compact_segments = compact_segments
+        self.hole_reclaim = ""
+        """See :class:`~kvstrata.store.tiers.base.SegmentSpace`."""
         self.direct_writes = (
             DirectWrites() if direct_writes and DIRECT is not None and not read_only else None
         )
@@ -253,10 +266,14 @@ class DiskTier:
         )
         return True
 
-    def unlink_removed(self, key: BlockKey, placement: Placement) -> None:
-        """Remove the file of a row the index no longer holds (deleted by gc or eviction)."""
+    def unlink_removed(self, key: BlockKey, placement: Placement) -> bool:
+        """Remove the file of a row the index no longer holds (deleted by gc or eviction), or
+        punch its range out of its segment; False when the segment's file system refused that."""
         self.cache.forget(key)
-        self.files.release(key, placement)
+        reclaim = self.files.release(key, placement)
+        if reclaim:
+            self.hole_reclaim = reclaim
+        return reclaim != "compact"
 
     def rows(self) -> list[BlockRow]:
         """Full index rows (access times included) of every block, read from the index."""
@@ -294,8 +311,9 @@ class DiskTier:
             growth[w.block.namespace or ""] = growth.get(w.block.namespace or "", 0) + w.growth
         if self._evictor is not None:
             refused, removed = self._evictor.fit(growth, {w.block.key for w in writes})
-            for key, placement in removed.items():
-                self.unlink_removed(key, placement)
+            unpunched = {p.file_id for k, p in removed.items() if not self.unlink_removed(k, p)}
+            if unpunched and self._compact_segments is not None:
+                self._compact_segments(unpunched)  # on the disk too, where holes cannot be punched
             return refused
         if self.budget_bytes is None or self._blocks.usage()[1] + sum(growth.values()) <= self.budget_bytes:
             return set()
@@ -316,11 +334,15 @@ def open_disk_tier(
     alive: Callable[[str], bool] | None = None,
     direct_writes: bool = True,
     direct_reads: bool = True,
+    compactor: CompactorFactory | None = None,
 ) -> DiskTier:
     """The disk tier of the store at ``root``, its parts built over ``index``'s block rows.
     ``writer_token`` names this process's temp files and ``writer_nonce`` starts the ids of the
     files it writes; ``alive(token)`` says whether the process that wrote a temp file still runs
-    (its temp files are then left alone); ``keyring`` seals records (None: in the clear)."""
+    (its temp files are then left alone); ``keyring`` seals records (None: in the clear);
+    ``compactor`` builds, over the tier's parts, what compacts the segments a bounded L3's
+    evictions left holes in that the file system would not punch (None: they wait for ``kvstrata gc
+    --compact``)."""
     blocks = index.blocks
     files = DiskFiles(
         root,
@@ -341,6 +363,7 @@ def open_disk_tier(
         cache,
         budget_bytes=budget_bytes,
         evictor=evictor,
+        compact_segments=compactor(files, cache, blocks, layout, keyring) if compactor is not None else None,
         direct_writes=direct_writes,
         direct_reads=direct_reads,
         read_only=read_only,
