@@ -173,8 +173,16 @@ class StoreConfig:
     the index back to an earlier checkpoint of recent sessions (``kvstrata fsck --rebuild`` brings
     them back from the session journal). ``"strict"``: every index commit is synced too, so a
     checkpoint that returned survives a power loss. See README "On disk, and what survives a crash"."""
+    cold_dir: str | None = None
+    """A directory, on any file system (a cheaper disk), for L3's cold tier: ``gc`` moves blocks
+    idle past ``GcConfig.cold_after_s`` there (copy, fsync, index commit, then the source removed:
+    crash-safe) and reads find them there. It must exist and be writable; the store records it, so
+    later opens (``kvstrata gc``, ``inspect``) find it without being told. None: ``cold/`` under the
+    store (or the directory the store recorded)."""
 
     def __post_init__(self) -> None:
+        if self.cold_dir is not None:
+            check_cold_dir(self.cold_dir)
         for name in ("l1_budget_bytes", "l2_budget_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
@@ -219,6 +227,15 @@ class StoreConfig:
         :class:`RemoteConfig`'s fields, ``encryption_key`` 64 hex characters, ``namespace_quotas``
         an object of namespace -> ``{"l1_bytes": .., "l2_bytes": .., "l3_bytes": ..}``."""
         return _from_mapping(cls, data, where, _STORE_PARSERS)
+
+
+def check_cold_dir(path: str) -> None:
+    """A ConfigError unless ``path`` is an existing directory this process can write in."""
+    if not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise ConfigError(f"cold_dir {path} {what} (create it, or mount the cold disk there)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"cold_dir {path} is not writable by this process")
 
 
 @dataclass(frozen=True, slots=True)

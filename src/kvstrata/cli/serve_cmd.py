@@ -53,6 +53,14 @@ def serve(
             "--l3-budget", help="Disk for KV (L3), e.g. 20GiB; past it blocks are evicted (default: none)."
         ),
     ] = None,
+    cold_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--cold-dir",
+            help="Directory, on any file system (a cheaper disk), where gc moves idle blocks (L3's cold "
+            "tier); it must exist and be writable. The store remembers it.",
+        ),
+    ] = None,
     ssl_certfile: Annotated[
         Path | None,
         typer.Option("--ssl-certfile", help="Serve HTTPS with this PEM certificate (chain)."),
@@ -132,6 +140,7 @@ def serve(
             remote=remote_config(remote, remote_cluster),
             encryption_key=encryption_key_from_env(),
             namespace_quotas=keys.quotas,
+            cold_dir=cold_dir,
             **budgets,  # type: ignore[arg-type]
         )
         modes = {}

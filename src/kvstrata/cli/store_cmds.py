@@ -82,6 +82,14 @@ def gc(
     store: StoreOption = None,
     layout: LayoutOption = None,
     cold_after_days: Annotated[float, typer.Option(help="Move blocks idle this long to cold/.")] = 7.0,
+    cold_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--cold-dir",
+            help="Keep the cold tier in this directory, on any file system (it must exist and be "
+            "writable; the store remembers it, so later runs need not repeat it).",
+        ),
+    ] = None,
     retention_days: Annotated[float, typer.Option(help="Delete unpinned sessions idle this long.")] = 30.0,
     unreferenced_hours: Annotated[
         float,
@@ -119,7 +127,7 @@ def gc(
             fail(f"{flag} must be a duration of 0 or more, got {value}")
     if not 0.0 < compact_holes <= 1.0:
         fail(f"--compact-holes must be a share above 0 and at most 1, got {compact_holes}")
-    kv = open_store(one_store(store, layout).path)
+    kv = open_store(one_store(store, layout).path, cold_dir=cold_dir)
     try:
         config = GcConfig(
             cold_after_days * DAY_S,
@@ -138,7 +146,7 @@ def gc(
         return
     console.print(
         f"gc: {report.sessions_deleted} sessions expired, {report.blocks_deleted} blocks deleted "
-        f"({_human(report.bytes_freed)}), {report.blocks_moved_cold} moved to cold/ "
+        f"({_human(report.bytes_freed)}), {report.blocks_moved_cold} moved to the cold tier "
         f"({report.blocks_archived} re-encoded for the archive), "
         f"{report.orphan_files_removed} orphan files removed"
         + (

@@ -83,11 +83,14 @@ class StoreRef:
         )
 
 
-def open_store(path: Path, *, read_only: bool = False) -> KVStore:
-    """Open an existing store with its recorded layout and no memory tiers. Read-only opens are
-    safe while another process (a server, a demo) owns the store."""
+def open_store(path: Path, *, read_only: bool = False, cold_dir: str | None = None) -> KVStore:
+    """Open an existing store with its recorded layout and no memory tiers (``cold_dir``: its
+    cold tier's directory, when given one now). Read-only opens are safe while another process (a
+    server, a demo) owns the store."""
     try:
-        config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0, encryption_key=encryption_key_from_env())
+        config = StoreConfig(
+            l1_budget_bytes=0, l2_budget_bytes=0, encryption_key=encryption_key_from_env(), cold_dir=cold_dir
+        )
         return KVStore(path, config=config, read_only=read_only)
     except KVStrataError as exc:
         fail(str(exc))

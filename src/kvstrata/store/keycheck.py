@@ -18,6 +18,7 @@ from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError, EncryptionKeyError
 from kvstrata.store.index import Index
 from kvstrata.store.kvbin import FLAG_ENCRYPTED, decode_record, parse_header
+from kvstrata.store.tiers.disk.cold_dir import recorded_cold_dir
 from kvstrata.store.tiers.disk.fileio import read_range
 from kvstrata.store.tiers.disk.files import block_path, segment_path
 
@@ -75,12 +76,13 @@ def _seal_session_rows(index: Index) -> None:
 def _opens_a_sealed_block(root: Path, index: Index, keyring: Keyring) -> bool:
     """True unless a sealed block of the store fails to open with ``keyring`` (a store with no
     sealed block, or none readable, accepts the key)."""
+    cold_dir = recorded_cold_dir(root)  # the store's cold directory, if it has one
     for row in itertools.islice(index.blocks, _SAMPLE_BLOCKS):
         try:
             if row.offset is not None:
                 data = read_range(segment_path(root, row.file_id), row.offset, row.nbytes, None, cold=False)
             else:
-                data = block_path(root, row.key, row.cold, row.file_id).read_bytes()
+                data = block_path(root, row.key, row.cold, row.file_id, cold_dir).read_bytes()
             if not parse_header(data).flags & FLAG_ENCRYPTED:
                 continue
         except (OSError, CorruptBlockError):

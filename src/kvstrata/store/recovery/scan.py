@@ -29,6 +29,7 @@ from kvstrata.store.kvbin import (
 from kvstrata.store.recovery.identity import seq_of
 from kvstrata.store.recovery.journal import JournalFile, journal_files, read_journal
 from kvstrata.store.recovery.records import FileInfo, read_file_info, walk_records
+from kvstrata.store.tiers.disk.cold_dir import MARKER, recorded_cold_dir
 from kvstrata.store.tiers.disk.files import SEGMENTS_DIR, parse_file_name, parse_segment_name
 
 Progress = Callable[[str], None]
@@ -105,8 +106,11 @@ def scan_store(
         _scan_segment(scan, path, layout_fingerprint, keyring)
         if progress is not None:
             progress(path.name)
+    cold_dir = recorded_cold_dir(root) or root / "cold"  # the cold tier may lie on another disk
     for cold in (False, True):
-        for path in _files(root / ("cold" if cold else "hot"), nested=True):
+        for path in _files(cold_dir if cold else root / "hot", nested=True):
+            if path.name == MARKER:
+                continue  # the cold directory's owner
             _scan_block_file(scan, path, cold, layout_fingerprint, keyring)
             if progress is not None:
                 progress(path.name)
@@ -129,7 +133,11 @@ def scan_store(
 
 def scan_count(root: Path) -> int:
     """How many files :func:`scan_store` reads (the length of its progress bar)."""
-    dirs = [(root / SEGMENTS_DIR, False), (root / "hot", True), (root / "cold", True)]
+    dirs = [
+        (root / SEGMENTS_DIR, False),
+        (root / "hot", True),
+        (recorded_cold_dir(root) or root / "cold", True),
+    ]
     return sum(len(_files(d, nested=nested)) for d, nested in dirs) + len(journal_files(root))
 
 
@@ -138,7 +146,7 @@ def _files(base: Path, *, nested: bool = False) -> list[Path]:
         return []
     found: list[Path] = []
     for entry in os.scandir(base):
-        if nested and entry.is_dir():
+        if nested and entry.is_dir() and entry.name != "tmp":  # a cold directory's writes in progress
             found += sorted(Path(e.path) for e in os.scandir(entry.path) if e.is_file())
         elif entry.is_file():
             found.append(Path(entry.path))

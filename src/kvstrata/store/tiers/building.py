@@ -15,6 +15,7 @@ from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.tiers.base import Tier
 from kvstrata.store.tiers.device import DeviceTier
 from kvstrata.store.tiers.disk import DiskTier, open_disk_tier
+from kvstrata.store.tiers.disk.cold_dir import resolve_cold_dir
 from kvstrata.store.tiers.disk.evictor import Evictor
 from kvstrata.store.tiers.host import HostTier
 from kvstrata.store.tiers.remote import RedisTier
@@ -34,7 +35,8 @@ def build_tiers(
     budget is 0), L3 in ``root``, and L4 on Redis for a writable store with a remote tier.
     ``processes``: this process's registration (names its temp files, tells whose are dead);
     ``evictor``: the bounded L3's evictor, given the remote tier (None: L3 refuses writes past
-    its budget)."""
+    its budget). The cold tier lies in ``config.cold_dir`` or the one the store recorded
+    (:mod:`~kvstrata.store.tiers.disk.cold_dir`)."""
     keyring = Keyring(config.encryption_key) if config.encryption_key is not None else None
     memory: list[Tier] = [
         DeviceTier(layout, config.l1_budget_bytes, config.device),
@@ -43,6 +45,7 @@ def build_tiers(
     remote = (
         RedisTier(config.remote, layout, keyring) if config.remote is not None and not read_only else None
     )
+    cold_dir = resolve_cold_dir(root, config.cold_dir, read_only=read_only)
     disk = open_disk_tier(
         root,
         layout,
@@ -57,5 +60,6 @@ def build_tiers(
         direct_writes=config.l3_direct_writes,
         direct_reads=config.l3_direct_reads,
         compactor=lambda *parts: Compactor(*parts).compact_segments,
+        cold_dir=cold_dir,
     )
     return memory, disk, remote

@@ -26,10 +26,13 @@ SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".kvseg"
 
 
-def block_path(root: Path, key: bytes, cold: bool, file_id: str) -> Path:
-    """``root/{hot,cold}/<first 2 hex>/<key hex>.<file id>.kvbin`` (no file id: before format 2)."""
+def block_path(root: Path, key: bytes, cold: bool, file_id: str, cold_dir: Path | None = None) -> Path:
+    """``root/{hot,cold}/<first 2 hex>/<key hex>.<file id>.kvbin`` (no file id: before format 2);
+    a cold one in ``cold_dir/<first 2 hex>/`` when the store has a cold directory."""
     name = key.hex()
     file = f"{name}.{file_id}.kvbin" if file_id else f"{name}.kvbin"
+    if cold and cold_dir is not None:
+        return cold_dir / name[:2] / file
     return root / ("cold" if cold else "hot") / name[:2] / file
 
 
@@ -101,11 +104,14 @@ class DiskFiles:
         writer_nonce: str = "00000000",
         alive: Callable[[str], bool] | None = None,
         read_only: bool = False,
+        cold_dir: Path | None = None,
     ) -> None:
         """``writer_token`` names this process's temp files and ``writer_nonce`` starts the ids of
         the files it writes; ``alive(token)`` says whether the process that wrote a temp file
         still runs (its temp files are then left alone); ``sync_index()`` makes the index's
-        commits so far durable (before a file whose row went is removed)."""
+        commits so far durable (before a file whose row went is removed); ``cold_dir``: where
+        cold block files lie when not in ``cold/`` under ``root`` (:mod:`.cold_dir`; with its own
+        ``tmp/``, so that a file's rename into place never crosses file systems)."""
         self.root = root
         self.store_id = ""
         """The store's id (:mod:`kvstrata.store.recovery.identity`), written into each segment."""
@@ -115,13 +121,21 @@ class DiskFiles:
         self.writer_token = writer_token
         self.writer_nonce = writer_nonce
         self._segment_refs = segment_refs
+        self.cold_root = cold_dir if cold_dir is not None else root / "cold"
+        self.cold_elsewhere = cold_dir is not None
+        """True: moves between hot and cold copy (a rename cannot cross file systems)."""
+        self._cold_tmp = cold_dir / "tmp" if cold_dir is not None else self.tmp_dir
         if not read_only:
-            for d in (root / "hot", root / "cold", root / SEGMENTS_DIR, self.tmp_dir, self.quarantine_dir):
+            for d in (root / "hot", self.cold_root, root / SEGMENTS_DIR, self.tmp_dir, self.quarantine_dir):
                 d.mkdir(parents=True, exist_ok=True)
-        self.removed_temp_files = 0 if read_only else remove_dead_temp_files(self.tmp_dir, alive)
+            self._cold_tmp.mkdir(exist_ok=True)
+        self.removed_temp_files = 0
+        if not read_only:
+            for tmp in {self.tmp_dir, self._cold_tmp}:
+                self.removed_temp_files += remove_dead_temp_files(tmp, alive)
 
     def path_for(self, key: BlockKey, cold: bool = False, file_id: str = "") -> Path:
-        return block_path(self.root, key, cold, file_id)
+        return block_path(self.root, key, cold, file_id, self.cold_root if self.cold_elsewhere else None)
 
     def segment_path(self, segment_id: str) -> Path:
         return segment_path(self.root, segment_id)
@@ -138,8 +152,10 @@ class DiskFiles:
         return new_file_id(self.writer_nonce)
 
     def temp_for(self, final: Path) -> Path:
-        """Where a file on its way to ``final`` is written first (named after this process)."""
-        return self.tmp_dir / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
+        """Where a file on its way to ``final`` is written first (named after this process, on
+        ``final``'s file system)."""
+        tmp = self._cold_tmp if final.is_relative_to(self.cold_root) else self.tmp_dir
+        return tmp / f"{self.writer_token or 'anon-0'}.{final.name}.tmp"
 
     def release(self, key: BlockKey, placement: Placement) -> str:
         """A row naming ``placement`` is gone: remove its block file, or its segment once no row
@@ -212,11 +228,13 @@ class DiskFiles:
         return str(target)
 
     def iter_files(self) -> Iterator[tuple[Path, bool]]:
-        """Every block file under ``hot/`` and ``cold/``, with whether it lies in ``cold/``."""
+        """Every block file under ``hot/`` and the cold directory, with whether it is cold."""
         for cold in (False, True):
-            base = self.root / ("cold" if cold else "hot")
+            base = self.cold_root if cold else self.root / "hot"
+            if not base.is_dir():
+                continue
             for shard in os.scandir(base):
-                if shard.is_dir():
+                if shard.is_dir() and len(shard.name) == 2:  # not the cold directory's tmp/
                     for entry in os.scandir(shard.path):
                         yield Path(entry.path), cold
 

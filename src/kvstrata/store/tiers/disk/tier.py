@@ -223,11 +223,13 @@ class DiskTier:
     # -- what gc, compaction and statistics ask ----------------------------------------------------
     def set_cold(self, key: BlockKey, cold: bool) -> bool:
         """Move a block's file between ``hot/`` and ``cold/`` (rename, then index); a record in a
-        segment is copied out into a block file of its own there (the segment keeps a hole)."""
+        segment, or any record when the cold tier is on another file system (``cold_dir``), is
+        copied out into a block file of its own there: written and fsynced, the index committed,
+        then the source removed (its range punched out of its segment)."""
         placement = self.cache.get(key)
         if placement is None or placement.cold == cold:
             return False
-        if placement.in_segment:
+        if placement.in_segment or self.files.cold_elsewhere:
             return self._copy_out(key, placement, cold)
         moved = self.files.move(key, placement, cold)
         if moved is None:
@@ -335,6 +337,7 @@ def open_disk_tier(
     direct_writes: bool = True,
     direct_reads: bool = True,
     compactor: CompactorFactory | None = None,
+    cold_dir: Path | None = None,
 ) -> DiskTier:
     """The disk tier of the store at ``root``, its parts built over ``index``'s block rows.
     ``writer_token`` names this process's temp files and ``writer_nonce`` starts the ids of the
@@ -342,7 +345,7 @@ def open_disk_tier(
     (its temp files are then left alone); ``keyring`` seals records (None: in the clear);
     ``compactor`` builds, over the tier's parts, what compacts the segments a bounded L3's
     evictions left holes in that the file system would not punch (None: they wait for ``kvstrata gc
-    --compact``)."""
+    --compact``); ``cold_dir``: the cold tier's directory when not ``cold/`` under ``root``."""
     blocks = index.blocks
     files = DiskFiles(
         root,
@@ -352,6 +355,7 @@ def open_disk_tier(
         writer_nonce=writer_nonce,
         alive=alive,
         read_only=read_only,
+        cold_dir=cold_dir,
     )
     cache = PlacementCache(blocks)
     records = RecordIO(layout, files, cache, blocks, keyring=keyring, read_only=read_only)
