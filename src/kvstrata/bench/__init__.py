@@ -35,6 +35,7 @@ SUITES: dict[str, str] = {
     "fuzz": "fuzz",
     "crash": "crash",
     "arrivals": "arrivals",
+    "pool": "pool",
 }
 """``kvstrata bench <name>`` -> its package in this package (the command is in its ``runner``)."""
 

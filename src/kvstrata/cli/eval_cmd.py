@@ -146,3 +146,66 @@ def eviction_cmd(
             f"{row.top1 * 100:.1f}%",
         )
     console.print(table)
+
+
+@eval_app.command("pool")
+def pool_cmd(
+    model: ModelOption = None,
+    context_tokens: Annotated[
+        int, typer.Option("--context-tokens", min=128, help="Tokens prefilled before the scored ones.")
+    ] = 2048,
+    eval_tokens: Annotated[
+        int, typer.Option("--eval-tokens", min=1, help="Tokens teacher-forced and scored, per scheme.")
+    ] = 512,
+    schemes: Annotated[
+        str, typer.Option("--schemes", help="Comma-separated: int8s, kivi4, kivi2, graded.")
+    ] = "int8s,kivi4,graded",
+    json_out: JsonOption = False,
+) -> None:
+    """Quality of an agent's blocks held encoded in device memory (issue 33): int8s, KIVI-4,
+    graded by importance; against the same continuation over exact KV."""
+    from kvstrata.eval.codec_quality import eval_token_ids
+    from kvstrata.eval.pool_quality import evaluate_pool
+    from kvstrata.integrations.transformers.model import load_model
+
+    names = [name.strip() for name in schemes.split(",") if name.strip()]
+    started = time.perf_counter()
+    try:
+        loaded = load_model(model, progress=show_progress(json_out))
+        token_ids = eval_token_ids(loaded)
+        with progress_bar(show_progress(json_out), transient=True) as progress:
+            task = progress.add_task("prefill", total=eval_tokens * (len(names) + 1))
+            results = evaluate_pool(
+                loaded,
+                token_ids,
+                names,
+                context_tokens,
+                eval_tokens,
+                on_step=lambda label, _done: progress.update(task, advance=1, description=label),
+            )
+    except KVStrataError as exc:
+        fail(str(exc))
+    if json_out:
+        print_json([row.summary() for row in results])
+        return
+    ref_ppl = results[0].ppl_reference if results else float("nan")
+    table = Table(
+        title=(
+            f"encoded blocks in memory on {loaded.name}: {context_tokens} context + {eval_tokens} scored "
+            f"tokens, exact ppl {ref_ppl:.3f} ({time.perf_counter() - started:.0f} s)"
+        )
+    )
+    for column in ("scheme", "ppl Δ %", "KL", "top-1", "vs fp16", "vs model", "context vs fp16", "blocks"):
+        table.add_column(column, justify="left" if column in ("scheme", "blocks") else "right")
+    for row in results:
+        table.add_row(
+            row.scheme,
+            f"{row.ppl_delta_pct:+.3f}",
+            f"{row.kl:.2e}",
+            f"{row.top1 * 100:.1f}%",
+            f"{row.ratio_vs_fp16:.2f}x",
+            f"{row.ratio_vs_model:.2f}x",
+            f"{row.context_ratio_vs_fp16:.2f}x",
+            " ".join(f"{name} {count}" for name, count in row.blocks.items()),
+        )
+    console.print(table)

@@ -17,6 +17,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvstrata.codecs.arena import PageArena
+from kvstrata.codecs.base import BlockContext, Codec
+from kvstrata.codecs.pages import page_spec, to_pages
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.layer import KVStrataLayer
 from kvstrata.integrations.transformers.paged import DenseScratch, PagedLayer, slot_positions
@@ -24,6 +26,10 @@ from kvstrata.integrations.transformers.paged import DenseScratch, PagedLayer, s
 if TYPE_CHECKING:
     from kvstrata.store import KVStore, LoadedKV
     from kvstrata.store.sessions import Session
+
+SINK_TOKENS = 4
+"""The sequence's first tokens, which attention leans on whatever follows (attention sinks): a
+block holding them is encoded without them (as the KIVI codec keeps them verbatim)."""
 
 __all__ = ["KVStrataCache", "KVStrataLayer", "PagedLayer", "cache_for", "commit", "layer_devices"]
 
@@ -155,6 +161,37 @@ class KVStrataCache(Cache):
         keys = [layer.keys[0, :, start:end].to(target) for layer in layers]  # type: ignore[index]
         values = [layer.values[0, :, start:end].to(target) for layer in layers]  # type: ignore[index]
         return torch.stack([torch.stack(keys), torch.stack(values)])
+
+    def encode_block(self, start: int, tokens: int, codec: Codec, sink_tokens: int = SINK_TOKENS) -> bool:
+        """Hold the sequence's tokens ``start .. start + tokens`` (exact now) encoded with
+        ``codec`` from here on: what a block leaving a request's recent window becomes. The
+        sequence's first ``sink_tokens`` (attention sinks) stay exact. False (nothing changed)
+        when ``codec``'s record of it cannot be held as pages."""
+        if self.pages is None:
+            raise ConfigError("encode_block needs a cache built with pages (a PageArena)")
+        if start < sink_tokens:
+            kept = sink_tokens - start
+            if kept >= tokens:
+                return False
+            start, tokens = start + kept, tokens - kept
+        before = sum(t for s, t in self.pages.covered() if s < start)
+        first = start - before
+        layers = [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+        with torch.inference_mode():
+            block = torch.stack(
+                [
+                    torch.stack([layer.keys[0, :, first : first + tokens] for layer in layers]),  # type: ignore[index]
+                    torch.stack([layer.values[0, :, first : first + tokens] for layer in layers]),  # type: ignore[index]
+                ]
+            ).cpu()
+            record = codec.encode(block, BlockContext(start))
+            spec = page_spec(record, self.pages.layout)
+            if spec is None:
+                return False
+            self.pages.add(start, spec, to_pages(record, spec, self.pages.layout))
+            for layer in layers:
+                layer.remove(first, tokens)
+        return True
 
     def slot_positions(self) -> torch.Tensor:
         """The sequence position of each of the cache's slots, in attention's order (the encoded

@@ -75,6 +75,18 @@ class PagedLayer(KVStrataLayer):
         self.append(key_states, value_states)
         return self.dense()
 
+    def remove(self, first: int, count: int) -> None:
+        """Drop exact tokens ``first .. first + count`` (their block went into the pages): the
+        exact tokens after them move down."""
+        assert self._key_buffer is not None and self._value_buffer is not None
+        end = self.length
+        if not 0 <= first <= first + count <= end:
+            raise ValueError(f"cannot remove exact tokens {first}:{first + count} of {end}")
+        for buffer in (self._key_buffer, self._value_buffer):
+            tail = buffer[..., first + count : end, :].clone()
+            buffer[..., first : end - count, :].copy_(tail)
+        self._set_length(end - count)
+
     def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values, ``(1, heads, tokens, head_dim)``: the pages dequantized,
         then the exact tokens; in ``dtype`` (default: the exact tokens' dtype)."""
