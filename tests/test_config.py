@@ -34,9 +34,8 @@ def test_every_kind_of_field_is_read_from_a_mapping() -> None:
     assert config.write_policy is WritePolicy.WRITE_BACK
     assert config.l1_idle_demote_s is None and config.l2_idle_demote_s == 60.0
     assert config.l3_direct_reads is False and config.l3_direct_writes is True
-    assert config.ladder.interactive == Rung("int8", "kivi4") and config.ladder.background == Rung(
-        "kivi2", "kivi2"
-    )
+    assert config.ladder.interactive == Rung("int8", "kivi4", "int8s")  # L1 keeps its default
+    assert config.ladder.background == Rung("kivi2", "kivi2", "kivi4")
     assert config.remote == RemoteConfig("redis://127.0.0.1:6379", ttl_s=3600)
     assert config.encryption_key == bytes.fromhex("ab" * 32)
     assert config.namespace_quotas == {"team-a": NamespaceQuota(l1_bytes=1 << 20)}

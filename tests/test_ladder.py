@@ -34,7 +34,8 @@ def test_defaults_and_validation() -> None:
     assert ladder.codec_for(Priority.REALTIME, TierLevel.L3) == "identity"
     assert ladder.codec_for(Priority.INTERACTIVE, TierLevel.L2) == "int8"
     assert ladder.codec_for(Priority.BACKGROUND, TierLevel.L3) == "kivi4"
-    assert ladder.codec_for(Priority.BACKGROUND, TierLevel.L1) == "identity"
+    # device memory holds each class in its precision: realtime exact, interactive int8s, background KIVI-4
+    assert [ladder.codec_for(p, TierLevel.L1) for p in Priority] == ["identity", "int8s", "kivi4"]
     assert ladder.max_loss_rank(Priority.REALTIME) == 0
     # archived blocks come back at archive quality for the classes that get archived
     assert ladder.max_loss_rank(Priority.BACKGROUND) == ladder.max_loss_rank(Priority.INTERACTIVE) == 4
@@ -44,6 +45,17 @@ def test_defaults_and_validation() -> None:
     assert ladder.archive_codec(Priority.BACKGROUND, pinned=True) is None
     with pytest.raises(ConfigError):
         CodecLadder(interactive=Rung("int8", "nope"))
+
+
+@pytest.mark.parametrize("codec", ["sparse", "lossless", "int8", "delta"])
+def test_a_codec_that_cannot_sit_in_l1_is_refused_in_one_line(codec: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        CodecLadder(background=Rung("kivi4", "kivi4", codec))
+    message = str(refused.value)
+    assert "\n" not in message and f"codec '{codec}'" in message and "L1" in message
+    with pytest.raises(ConfigError, match=f"codec '{codec}' cannot sit in L1"):
+        CodecLadder.parse({"background": {"l1": codec}})
+    assert CodecLadder.parse({"background": {"l1": "kivi2"}}).background == Rung("kivi4", "kivi4", "kivi2")
 
 
 @pytest.mark.parametrize(
@@ -105,7 +117,9 @@ def test_l2_holds_blocks_in_the_ladder_codec(open_store: Factory) -> None:
     in_l2 = [k for k in session.block_keys if store.tiered.tier(TierLevel.L2).contains(k)]
     assert in_l2  # demoted from the one-slot L1
     old = [k for k in in_l2 if k != session.block_keys[-1]]
-    assert old and all(store.tiered.tier(TierLevel.L2).codec_of(k) == CodecId.INT8 for k in old)
+    # int8, or int8s as device memory held it (as lossy: a demotion never re-encodes what is as lossy)
+    held = {store.tiered.tier(TierLevel.L2).codec_of(k) for k in old}
+    assert old and held <= {CodecId.INT8, CodecId.INT8S}
 
 
 def test_realtime_session_never_attends_to_lossy_shared_blocks(open_store: Factory) -> None:

@@ -18,9 +18,14 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstrata.store import KVStore
+    from kvstrata.store.sessions import Session
 
 ROLES = ["historian", "lawyer", "poet", "economist", "teacher", "journalist", "critic", "translator"]
 PRIORITIES = ["realtime", "interactive", "background"]
@@ -52,6 +57,23 @@ class TurnRecord:
     recompute_ttft_ms: float
     same_output: bool
     reply: str
+    l1_codecs: dict[str, int] = field(default_factory=dict)
+    """After the turn: the agent's blocks in device memory, per codec they are held in."""
+
+
+def l1_codecs(store: KVStore, session: Session) -> dict[str, int]:
+    """How many of ``session``'s blocks device memory holds, per codec (identity: exact)."""
+    from kvstrata.codecs import CodecId
+    from kvstrata.tiering import TierLevel
+
+    l1 = store.tiered.tier(TierLevel.L1)
+    out: dict[str, int] = {}
+    for key in session.all_keys():
+        codec = l1.codec_of(key)
+        if codec is not None:
+            name = CodecId(codec).name.lower()
+            out[name] = out.get(name, 0) + 1
+    return out
 
 
 def shared_context(max_chars: int) -> str:
@@ -125,6 +147,7 @@ def run_phase(args: argparse.Namespace) -> None:
                     round(baseline.ttft_ms, 1),
                     reused.token_ids == baseline.token_ids,
                     reused.text,
+                    l1_codecs(store, store.session(sid)),
                 )
                 print(json.dumps({"turn": asdict(record)}), flush=True)
         # the transcripts are what a client would keep; written atomically like everything else

@@ -38,17 +38,22 @@ from kvstrata.demo import DEMO_MARK, TRANSCRIPTS
 # What each column of the table means, printed under it.
 LEGEND = (
     ("p", "process: 1 before the restart, 2 the new process that resumed every session from disk"),
-    ("agent, class", "the agent and its priority class (which codecs its blocks get once they leave L1)"),
+    ("agent, class", "the agent and its priority class (the precision its blocks are held in, in each tier)"),
     ("prompt", "prompt tokens of the turn"),
     ("reused", "prompt tokens whose KV came from the store (the rest were prefilled)"),
     ("from", "where the reused tokens came from: L1 device memory, L2 host memory, L3 disk, L4 Redis"),
+    (
+        "L1 as",
+        "the agent's blocks in device memory after the turn, per codec: identity (exact: realtime, and "
+        "every class's newest block), int8s (interactive), kivi4 (background); attention reads them there",
+    ),
     ("ttft ms", "time to first token with kvstrata"),
     ("full ms", "time to first token recomputing the same prompt in full, in the same process"),
     ("x", "full ms / ttft ms: how many times faster the first token came"),
     (
         "same",
         "the reply is token for token the recomputed one (realtime blocks stay exact; the other "
-        "classes' are int8 or 4-bit off L1, which may change a token)",
+        "classes' are 8 or 4-bit, in device memory too, which may change a token)",
     ),
 )
 
@@ -155,11 +160,27 @@ def demo(
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
-    columns = ("p", "agent", "class", "turn", "prompt", "reused", "from", "ttft ms", "full ms", "x", "same")
+    columns = (
+        "p",
+        "agent",
+        "class",
+        "turn",
+        "prompt",
+        "reused",
+        "from",
+        "L1 as",
+        "ttft ms",
+        "full ms",
+        "x",
+        "same",
+    )
     for col in columns:
-        table.add_column(col, justify="left" if col in ("agent", "class", "from") else "right", no_wrap=True)
+        table.add_column(
+            col, justify="left" if col in ("agent", "class", "from", "L1 as") else "right", no_wrap=True
+        )
     for r in records:
         tiers = " ".join(f"{k}:{v}" for k, v in r["cached_by_tier"].items()) or "-"
+        held = " ".join(f"{k}:{v}" for k, v in r.get("l1_codecs", {}).items()) or "-"
         table.add_row(
             str(r["phase"]),
             r["agent"],
@@ -168,6 +189,7 @@ def demo(
             str(r["prompt_tokens"]),
             str(r["cached_tokens"]),
             tiers,
+            held,
             f"{r['ttft_ms']:.0f}",
             f"{r['recompute_ttft_ms']:.0f}",
             f"{r['recompute_ttft_ms'] / r['ttft_ms']:.1f}",

@@ -54,7 +54,11 @@ def store_stats(store: StoreOption = None, layout: LayoutOption = None, json_out
     ):
         table.add_column(col, justify="left" if col in ("tier", "by codec") else "right")
     for t in stats.tiers:
-        codecs = ", ".join(f"{k} {_human(v)}" for k, v in sorted(t.bytes_by_codec.items()))
+        counts = t.blocks_by_codec  # device memory: blocks per codec they are held in, too
+        codecs = ", ".join(
+            f"{k} {_human(v)}" + (f" ({counts[k]} blocks)" if k in counts else "")
+            for k, v in sorted(t.bytes_by_codec.items())
+        )
         table.add_row(
             t.tier + ("" if t.live else "*"),
             str(t.blocks),

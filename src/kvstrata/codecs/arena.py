@@ -109,6 +109,21 @@ class PageArena:
         pages = self.buffer[offset : offset + spec.block_nbytes(self.layout)]
         return pages.view(self.layout.num_layers, self.layout.num_kv_heads, spec.nbytes)
 
+    def truncate(self, tokens: int) -> bool:
+        """Keep only what the sequence's first ``tokens`` need: blocks starting at or after it
+        go. False (nothing changed) when a block holds tokens on both sides of the cut."""
+        if any(
+            start < tokens < start + spec.tokens for start, spec in zip(self.starts, self.specs, strict=True)
+        ):
+            return False
+        keep = [i for i, start in enumerate(self.starts) if start < tokens]
+        self.specs = [self.specs[i] for i in keep]
+        self.starts = [self.starts[i] for i in keep]
+        self.offsets = [self.offsets[i] for i in keep]
+        self.tokens = sum(spec.tokens for spec in self.specs)
+        self._table = None
+        return True
+
     def covered(self) -> Iterator[tuple[int, int]]:
         """(first position, tokens) of each block, in order."""
         return zip(self.starts, (spec.tokens for spec in self.specs), strict=True)

@@ -123,7 +123,11 @@ class PrefixLoader:
         diverged_at = common if common < session.num_tokens else None
         # Load before truncating, so that the tiers reported are where the KV was found (the
         # truncation reads a kept partial block again, from memory by then).
-        own = store.load(session, own_tokens, capacity=capacity, out=spare) if own_tokens else _empty_load()
+        own = (
+            store.load(session, own_tokens, capacity=capacity, out=spare, paged=True)
+            if own_tokens
+            else _empty_load()
+        )
         if own.missing_from_token is not None:
             reasons.append(
                 f"a block at token {own.missing_from_token} was lost or corrupt; recomputed from there"

@@ -56,6 +56,8 @@ class BlockStats:
     """Part of a system prompt: demoted only after every unprotected block."""
     start_pos: int = -1
     """Position of the block's first token in its sequence (0: holds the attention sinks)."""
+    grade: str | None = None
+    """Its grade inside its session (``policy/grades.py``) where the class's L1 rung is graded."""
     demoted_at: float | None = None
     """When it last left a tier (monotonic seconds): the start of its dwell time."""
 

@@ -1,9 +1,11 @@
 """The codec ladder: which codec each priority class gets in each tier.
 
-A realtime agent keeps exact KV everywhere; an interactive one is quantized to int8 once it
-leaves device memory; a background one to KIVI 4-bit; sessions idle for days are re-encoded to
-KIVI 2-bit when ``gc`` moves them to ``cold/``. L1 always holds decoded tensors (a lossy block
-decoded into device memory costs the same bytes as an exact one, so the ladder starts at L2).
+A realtime agent keeps exact KV everywhere; an interactive one is held as int8s in device memory
+(L1) and int8 below it; a background one as KIVI 4-bit; sessions idle for days are re-encoded
+to KIVI 2-bit when ``gc`` moves them to ``cold/``. L1 holds a lossy class's blocks encoded, as
+pages attention reads in place (``kvstrata.codecs.pages``: identity, int8s, kivi4 and kivi2
+can sit there; a ladder naming another codec for L1 is refused), so the same device memory
+holds more agents of the lower classes.
 
 A session's most recent ``recent_blocks`` full blocks and its tail stay exact (the KIVI
 full-precision window): they are written exact and re-encoded off the request path once newer
@@ -19,8 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvstrata.errors import ConfigError
+from kvstrata.policy.grades import Grade, GradedCodecs
 from kvstrata.priority import Priority
 from kvstrata.tiering import TierLevel
+
+GRADED = "graded"
+"""An L1 rung of this name holds the class's blocks by grade inside their session (``grades``)."""
 
 # The codecs are imported where they are used: they load torch, and the store's configuration
 # (which holds a ladder) must import without it.
@@ -30,22 +36,36 @@ from kvstrata.tiering import TierLevel
 class Rung:
     l2: str = "identity"
     l3: str = "identity"
+    l1: str = "identity"
+    """What device memory holds the class's blocks in (out of their session's recent window)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CodecLadder:
     realtime: Rung = field(default_factory=Rung)
-    interactive: Rung = field(default_factory=lambda: Rung("int8", "int8"))
-    background: Rung = field(default_factory=lambda: Rung("kivi4", "kivi4"))
+    interactive: Rung = field(default_factory=lambda: Rung("int8", "int8", "int8s"))
+    background: Rung = field(default_factory=lambda: Rung("kivi4", "kivi4", "kivi4"))
     archived: str = "kivi2"
     recent_blocks: int = 1
+    grades: GradedCodecs = field(default_factory=GradedCodecs)
+    """The codecs by grade of a class whose L1 rung is ``graded``."""
 
     def __post_init__(self) -> None:
         from kvstrata.codecs import get_codec
+        from kvstrata.codecs.pages import PAGE_CODECS
 
-        for rung in (self.realtime, self.interactive, self.background):
+        for priority, rung in zip(Priority, (self.realtime, self.interactive, self.background), strict=True):
             get_codec(rung.l2)
             get_codec(rung.l3)
+            graded = [self.grades.top, self.grades.middle, self.grades.bottom]
+            for name in graded if rung.l1 == GRADED else [rung.l1]:
+                l1 = get_codec(name or "identity")
+                if l1.name != "identity" and l1.codec_id not in PAGE_CODECS:
+                    held = ", ".join(["identity", *PAGE_CODECS.values(), GRADED])
+                    raise ConfigError(
+                        f"codec {name!r} cannot sit in L1 (device memory, the {priority.value} class): "
+                        f"attention reads only {held} there"
+                    )
         get_codec(self.archived)
         if self.recent_blocks < 0:
             raise ConfigError("recent_blocks must be >= 0")
@@ -76,12 +96,15 @@ class CodecLadder:
             if spec is None:
                 rungs[priority.value] = default
             elif isinstance(spec, str):
-                rungs[priority.value] = Rung(spec, spec)
-            elif isinstance(spec, Mapping) and set(spec) <= {"l2", "l3"}:
-                rungs[priority.value] = Rung(spec.get("l2", default.l2), spec.get("l3", default.l3))
+                rungs[priority.value] = Rung(spec, spec, default.l1)
+            elif isinstance(spec, Mapping) and set(spec) <= {"l1", "l2", "l3"}:
+                rungs[priority.value] = Rung(
+                    spec.get("l2", default.l2), spec.get("l3", default.l3), spec.get("l1", default.l1)
+                )
             else:
                 raise ConfigError(
-                    f"{where}.{priority.value} must be a codec name or {{'l2': .., 'l3': ..}}, got {spec!r}"
+                    f"{where}.{priority.value} must be a codec name or {{'l1': .., 'l2': .., 'l3': ..}}, "
+                    f"got {spec!r}"
                 )
         recent = value.get("recent_blocks", base.recent_blocks)
         if not isinstance(recent, int) or isinstance(recent, bool):
@@ -101,8 +124,19 @@ class CodecLadder:
     def codec_for(self, priority: Priority, level: TierLevel) -> str:
         rung = self.rung(priority)
         if level is TierLevel.L1:
-            return "identity"
+            return self.l1_codec(priority, None)
         return rung.l2 if level is TierLevel.L2 else rung.l3
+
+    def l1_codec(self, priority: Priority, grade: str | None) -> str:
+        """What device memory holds a block of ``priority`` in, given its ``grade`` inside its
+        session where the class's L1 rung is graded (no grade yet: the middle one)."""
+        rung = self.rung(priority)
+        if rung.l1 != GRADED:
+            return rung.l1
+        return self.grades.codec_for(Grade(grade or Grade.MIDDLE)) or "identity"
+
+    def graded(self, priority: Priority) -> bool:
+        return self.rung(priority).l1 == GRADED
 
     def max_loss_rank(self, priority: Priority) -> int:
         """The lossiest stored block a session of this class may attend to: what its own ladder
@@ -111,7 +145,9 @@ class CodecLadder:
 
         rung = self.rung(priority)
         archive = self.archive_codec(priority, pinned=False)
-        return max(loss_rank(rung.l2), loss_rank(rung.l3), loss_rank(archive) if archive else 0)
+        l1 = [self.grades.top, self.grades.middle, self.grades.bottom] if rung.l1 == GRADED else [rung.l1]
+        ranks = [*(loss_rank(c or "identity") for c in l1), loss_rank(rung.l2), loss_rank(rung.l3)]
+        return max(*ranks, loss_rank(archive) if archive else 0)
 
     def archive_codec(self, priority: Priority, pinned: bool) -> str | None:
         """Codec for blocks of an idle session moved to ``cold/``; None keeps them as they are."""

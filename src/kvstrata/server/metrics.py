@@ -51,6 +51,11 @@ class StoreCollector(Collector):
         by_codec = GaugeMetricFamily(
             "kvstrata_codec_bytes", "Bytes stored per tier and codec.", labels=["tier", "codec"]
         )
+        blocks_by_codec = GaugeMetricFamily(
+            "kvstrata_codec_blocks",
+            "Blocks held per tier and codec (device memory: each class's blocks in its precision).",
+            labels=["tier", "codec"],
+        )
         fragmentation = GaugeMetricFamily(
             "kvstrata_tier_fragmentation_bytes",
             "Bytes a tier takes beyond its blocks' own: slot slack in memory, holes in L3's segment files.",
@@ -64,7 +69,9 @@ class StoreCollector(Collector):
                 budget.add_metric([tier.tier], tier.budget_bytes)
             for codec, nbytes in tier.bytes_by_codec.items():
                 by_codec.add_metric([tier.tier, codec], nbytes)
-        yield from (blocks, used, budget, by_codec, fragmentation)
+            for codec, count in tier.blocks_by_codec.items():
+                blocks_by_codec.add_metric([tier.tier, codec], count)
+        yield from (blocks, used, budget, by_codec, blocks_by_codec, fragmentation)
 
         counters = self.store.counters
         families = {

@@ -130,6 +130,17 @@ class BlockStatsTable:
                 if stats is not None:
                     stats.protected = True
 
+    def set_grades(self, grades: Iterable[tuple[BlockKey, str]]) -> list[BlockKey]:
+        """Record each block's grade inside its session; the keys whose grade changed."""
+        changed = []
+        with self._lock:
+            for key, grade in grades:
+                stats = self._stats.get(key)
+                if stats is not None and stats.grade != grade:
+                    stats.grade = grade
+                    changed.append(key)
+        return changed
+
     def importance(self, key: BlockKey) -> float:
         stats = self._stats.get(key)
         return stats.importance if stats is not None else 0.0

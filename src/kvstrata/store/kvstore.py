@@ -271,10 +271,16 @@ class KVStore:
         *,
         capacity: int | None = None,
         out: torch.Tensor | None = None,
+        paged: bool = False,
     ) -> LoadedKV:
         """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor
-        (:meth:`SessionIO.load`)."""
-        return self.io.load(session, num_tokens, capacity=capacity, out=out)
+        (:meth:`SessionIO.load`; ``paged``: blocks device memory holds encoded stay encoded)."""
+        return self.io.load(session, num_tokens, capacity=capacity, out=out, paged=paged)
+
+    def set_priority(self, session: Session, priority: Priority | str) -> tuple[int, int]:
+        """Change ``session``'s class; when it rises, its lossy blocks are made exact now from L3's
+        exact copies (:meth:`SessionIO.set_priority`): (blocks made exact, blocks left lossy)."""
+        return self.io.set_priority(session, priority)
 
     def load_blocks(
         self,

@@ -133,6 +133,7 @@ def open_parts(
         catalog,
         tiered.reads,
         tiered.writes,
+        tiered.pool,
         stats=stats,
         counters=counters,
         age_out=tiered.reencoder.age_out,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.codecs.arena import PageArena
 from kvstrata.config import StoreConfig
 from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.keys import BlockKey, block_parent, chain_key
@@ -23,6 +24,7 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.catalog import SessionCatalog
 from kvstrata.store.counters import StoreCounters
+from kvstrata.store.placement.pool import DevicePool
 from kvstrata.store.placement.reads import Reads
 from kvstrata.store.placement.writes import Writes
 from kvstrata.store.remote_mirror import RemoteMirror
@@ -41,6 +43,9 @@ class LoadedKV:
     buffer: torch.Tensor | None = None
     """The ``(2, L, H, capacity, D)`` tensor ``kv`` is the first ``num_tokens`` tokens of (room
     for the tokens to come, so that a cache can adopt it instead of copying the KV again)."""
+    pages: PageArena | None = None
+    """With ``paged=True``: the blocks device memory held encoded, their pages copied as they are;
+    ``kv`` then holds the other tokens (those no page covers, in order), not all ``num_tokens``."""
 
 
 _CHECKPOINT_ATTEMPTS = 3
@@ -58,6 +63,7 @@ class SessionIO:
         catalog: SessionCatalog,
         reads: Reads,
         writes: Writes,
+        pool: DevicePool,
         *,
         stats: BlockStatsTable,
         counters: StoreCounters,
@@ -76,6 +82,7 @@ class SessionIO:
         self._catalog = catalog
         self._reads = reads
         self._writes = writes
+        self._pool = pool
         self._stats = stats
         self._counters = counters
         self._age_out = age_out
@@ -141,6 +148,8 @@ class SessionIO:
         if tail is not None:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
+        if self._ladder.graded(session.priority):  # grades first: what the blocks leaving the window become
+            self._pool.regrade(session.block_keys, window_start)
         # blocks this append pushed out of the recent window go down the ladder, in the background
         self._age_out(
             session.block_keys[max(0, old_full - self._recent_blocks) : min(old_full, window_start)]
@@ -218,12 +227,14 @@ class SessionIO:
         *,
         capacity: int | None = None,
         out: torch.Tensor | None = None,
+        paged: bool = False,
     ) -> LoadedKV:
         """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor.
 
         Stops at the first block no tier can serve (lost, corrupt); ``missing_from_token`` then
         says where, and the caller recomputes from there. ``capacity``: tokens to make room for
-        in the returned ``buffer`` (the prompt and the answer to come).
+        in the returned ``buffer`` (the prompt and the answer to come). ``paged``: see
+        :meth:`load_blocks`.
         """
         want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
         session.last_access = time.time()
@@ -234,7 +245,23 @@ class SessionIO:
             priority=session.priority,
             capacity=capacity,
             out=out,
+            paged=paged,
         )
+
+    def set_priority(self, session: Session, priority: Priority | str) -> tuple[int, int]:
+        """Change ``session``'s class, committed at once. When it rises, its blocks held lossier
+        than the new class accepts are made exact now, before its next request, from the exact
+        copies L3 keeps of an upgradable class's blocks (``store/placement/upgrades.py``); a block
+        with no exact copy is recomputed by the request that needs it. Returns (blocks made exact,
+        blocks left lossy)."""
+        new = Priority.parse(priority)
+        self._catalog.claim(session)
+        old, session.priority = session.priority, new
+        session.version += 1
+        self._catalog.commit(session)
+        if new.rank >= old.rank:
+            return 0, 0
+        return self._pool.upgrade(session.all_keys(), new)
 
     def load_blocks(
         self,
@@ -245,10 +272,13 @@ class SessionIO:
         priority: Priority | str | None = None,
         capacity: int | None = None,
         out: torch.Tensor | None = None,
+        paged: bool = False,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
         tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks.
         With ``priority``, blocks stored lossier than that class accepts count as missing.
+        ``paged``: blocks device memory holds encoded stay encoded (``LoadedKV.pages``), for a
+        cache that attends to them where they lie (``KVStrataCache.from_loaded``).
 
         Each block is copied once, straight into one preallocated tensor of ``capacity`` tokens
         (at least ``num_tokens``): ``LoadedKV.buffer``, which ``KVStrataCache`` adopts as is.
@@ -264,19 +294,31 @@ class SessionIO:
         # room for whole blocks (each is decoded in place) and for the tokens to come
         shape = self.layout.block_shape(max(-(-want // bt) * bt, capacity or 0))
         device = torch.device(self._config.device)
-        if (
+        fits = (
             out is not None
             and out.shape[:3] == shape[:3]
             and out.shape[4] == shape[4]
             and out.shape[3] >= shape[3]
             and out.dtype == self.layout.torch_dtype
             and out.device == device
-        ):
-            buffer = out
-        else:
-            buffer = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+        )
         started = time.perf_counter()
         with self._stats.hold(keys):
+            if paged:
+                kept = self._pool.restore_paged(
+                    keys, want, full=full, room=max((capacity or 0) - want, 0), priority=prio,
+                    max_loss=max_loss, device=device, out=out if fits else None,
+                )  # fmt: skip
+                if kept is not None:
+                    self._counters.restored(max(kept.by_tier, default=None), time.perf_counter() - started)
+                    missing = None if kept.num_tokens >= want else kept.num_tokens
+                    exact = kept.buffer[:, :, :, : kept.exact_tokens]
+                    return LoadedKV(exact, kept.num_tokens, kept.by_tier, missing, kept.buffer, kept.pages)
+            buffer = (
+                out
+                if fits and out is not None
+                else torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+            )
             got, by_tier = self._reads.restore(
                 keys, buffer, want, full=full, priority=prio, max_loss=max_loss
             )

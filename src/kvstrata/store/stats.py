@@ -20,8 +20,7 @@ from kvstrata.layout import KVLayout
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.index import Index
 from kvstrata.store.index.session_table import SessionTable
-from kvstrata.store.tiers.base import EncodedUsage, SegmentSpace, Tier
-from kvstrata.tiering import TierLevel
+from kvstrata.store.tiers.base import CodecCounts, EncodedUsage, SegmentSpace, Tier
 
 _SNAPSHOT = "stats_snapshot"
 _COUNTED = ("hits", "misses", "promotions", "demotions", "rejected", "evictions")
@@ -51,11 +50,13 @@ class TierStats:
     """Bytes the tier's blocks take decoded; ``compression_ratio`` = logical / stored."""
     compression_ratio: float = 1.0
     live: bool = True
+    """False: figures of the last process that closed the store (memory tiers are volatile)."""
     evictions: int = 0
     """Blocks removed for good to make room (the bounded L3 only)."""
     hole_reclaim: str = ""
     """L3: how deleted records' space in segments is given back (``SegmentSpace.hole_reclaim``)."""
-    """False: figures of the last process that closed the store (memory tiers are volatile)."""
+    blocks_by_codec: dict[str, int] = field(default_factory=dict)
+    """Blocks per codec they are held in (device memory: ``identity`` exact, ``int8s``, ``kivi4``..)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class StoreStatistics:
                 tier,
                 tier if isinstance(tier, EncodedUsage) else None,
                 tier if isinstance(tier, SegmentSpace) else None,
+                tier if isinstance(tier, CodecCounts) else None,
             )
             for tier in tiers
         ]
@@ -116,18 +118,22 @@ class StoreStatistics:
         return [self._tier_stats(*capable) for capable in self._tiers]
 
     def _tier_stats(
-        self, tier: Tier, encoded: EncodedUsage | None, segments: SegmentSpace | None
+        self,
+        tier: Tier,
+        encoded: EncodedUsage | None,
+        segments: SegmentSpace | None,
+        counts: CodecCounts | None,
     ) -> TierStats:
         usage = tier.usage()
         c = self._counters.of(tier.level)
         by_codec: dict[str, int] = {}
+        blocks_by_codec: dict[str, int] = {}
         logical = usage.stored_bytes
-        if tier.level is TierLevel.L1:
-            if usage.blocks:
-                by_codec["decoded"] = usage.stored_bytes
-        elif encoded is not None:
+        if encoded is not None:
             by_codec = {CodecId(codec).name.lower(): n for codec, n in encoded.bytes_by_codec().items()}
             logical = encoded.logical_bytes()
+        if counts is not None:  # L1: each class's blocks in the codec it holds them in
+            blocks_by_codec = {CodecId(c).name.lower(): n for c, n in counts.blocks_by_codec().items()}
         fragmentation = usage.fragmentation_bytes
         hole_reclaim = ""
         if segments is not None:  # L3: the holes deleted blocks left in segments
@@ -151,6 +157,7 @@ class StoreStatistics:
             round(logical / usage.stored_bytes, 3) if usage.stored_bytes else 1.0,
             evictions=c.evictions,
             hole_reclaim=hole_reclaim,
+            blocks_by_codec=blocks_by_codec,
         )
 
     def _snapshot(self) -> dict:  # type: ignore[type-arg]

@@ -116,23 +116,34 @@ class KVStrataCache(Cache):
 
         When the store's buffer has room for ``extra_tokens`` more and lies on every layer's
         device, the layers adopt slices of it: the KV is not copied a second time. The tokens
-        after ``num_tokens`` in that buffer are then overwritten as the cache grows."""
+        after ``num_tokens`` in that buffer are then overwritten as the cache grows. Blocks the
+        store kept encoded (``loaded.pages``) stay so: the cache attends to them where they lie."""
         n = loaded.num_tokens if num_tokens is None else num_tokens
+        pages = loaded.pages if loaded.pages is not None and len(loaded.pages) else None
+        if pages is not None:
+            n = min(n, loaded.num_tokens)
+            if not pages.truncate(n):  # a block across the cut: decoded, as the tokens before it
+                kv = loaded.kv
+                cache = cls.from_kv(kv, len(devices), devices=devices, extra_tokens=extra_tokens, pages=pages)
+                return cls.from_kv(
+                    cache.new_kv(0, n), len(devices), devices=devices, extra_tokens=extra_tokens
+                )
+        exact = n - (pages.tokens if pages is not None else 0)
         buffer = loaded.buffer
         if (
             loaded.kv is None
             or buffer is None
             or n > loaded.num_tokens
-            or buffer.shape[3] < n + extra_tokens
+            or buffer.shape[3] < exact + extra_tokens
             or buffer.shape[1] != len(devices)
             or any(d is not None and torch.device(d) != buffer.device for d in devices)
         ):
-            kv = loaded.kv[:, :, :, :n] if loaded.kv is not None and n else None
-            return cls.from_kv(kv, len(devices), devices=devices, extra_tokens=extra_tokens)
-        cache = cls(devices)
+            kv = loaded.kv[:, :, :, :exact] if loaded.kv is not None and (exact or pages) else None
+            return cls.from_kv(kv, len(devices), devices=devices, extra_tokens=extra_tokens, pages=pages)
+        cache = cls(devices, pages)
         for layer_idx, layer in enumerate(cache.layers):
             assert isinstance(layer, KVStrataLayer)
-            layer.adopt(buffer[0, layer_idx].unsqueeze(0), buffer[1, layer_idx].unsqueeze(0), n)
+            layer.adopt(buffer[0, layer_idx].unsqueeze(0), buffer[1, layer_idx].unsqueeze(0), exact)
         cache.prefix_tokens = n
         return cache
 
@@ -249,7 +260,7 @@ def cache_for(
     caller prefills from there.
     """
     want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
-    loaded = store.load(session, want, capacity=want + extra_tokens)
+    loaded = store.load(session, want, capacity=want + extra_tokens, paged=True)
     if devices is None:
         devices = layer_devices(model) if model is not None else [None] * store.layout.num_layers
     cache = KVStrataCache.from_loaded(loaded, devices=devices, extra_tokens=extra_tokens)

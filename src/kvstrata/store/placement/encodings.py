@@ -7,10 +7,13 @@ at least as lossily as the target is kept as it is: re-encoding cannot regain pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvstrata import codecs
-from kvstrata.codecs import Codec, loss_rank
+from kvstrata.codecs import Codec, Kivi2Codec, Kivi4Codec, loss_rank
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
+from kvstrata.policy.grades import grade_blocks
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
@@ -40,6 +43,22 @@ class Encodings:
             name = self.ladder.codec_for(stats.priority or Priority.INTERACTIVE, level)
         return self.codec(name)
 
+    def regrade(self, keys: Sequence[BlockKey], recent_from: int) -> list[BlockKey]:
+        """Grade a session's blocks (``keys`` in order; from ``recent_from`` on in its recent
+        window) by importance, the system prompt's top (``policy/grades.py``); the keys out of
+        the window whose grade changed."""
+        shares = self.ladder.grades
+        stats = self._stats
+        grades = grade_blocks(
+            [stats.importance(k) for k in keys],
+            recent_from=recent_from,
+            top_share=shares.top_share,
+            bottom_share=shares.bottom_share,
+            protected=[i for i, k in enumerate(keys) if stats.protected(k)],
+        )
+        changed = set(stats.set_grades(zip(keys, (g.value for g in grades), strict=True)))
+        return [key for key in keys[:recent_from] if key in changed]
+
     def max_loss(self, priority: Priority | None) -> int:
         """The lossiest stored copy a session of ``priority`` (interactive when unknown) accepts."""
         return self.ladder.max_loss_rank(priority or Priority.INTERACTIVE)
@@ -51,6 +70,41 @@ class Encodings:
         if block.encoded is not None and loss_rank(block.encoded.codec) >= codec.loss_rank:
             return block
         return block.reencoded(codec, self.layout)
+
+    def for_memory(self, block: KVBlock) -> KVBlock:
+        """:meth:`fit` for L1 (device memory), where a lossy class's blocks are held as pages;
+        a block the ladder keeps exact there is handed on as it is."""
+        codec = self.l1_codec(block.key, block.start_pos)
+        if codec.loss_rank == 0:
+            return block
+        if block.encoded is not None and loss_rank(block.encoded.codec) >= codec.loss_rank:
+            return block
+        return block.reencoded(codec, self.layout)
+
+    def l1_codec(self, key: BlockKey, start_pos: int) -> Codec:
+        """The codec device memory holds ``key`` in: its class's L1 codec (by its grade where the
+        rung is graded: the first block, holding the attention sinks, then stays exact), but
+        int8s for a block holding the sequence's first tokens where that codec is KIVI (its
+        verbatim sinks are no pages attention reads; a request's cache keeps them exact)."""
+        stats = self._stats.get(key)
+        if stats is None or stats.recent:
+            return self.codec("identity")
+        priority = stats.priority or Priority.INTERACTIVE
+        if self.ladder.graded(priority) and start_pos == 0:
+            return self.codec("identity")
+        codec = self.codec(self.ladder.l1_codec(priority, stats.grade))
+        if isinstance(codec, Kivi4Codec | Kivi2Codec) and start_pos < codec.sink_tokens:
+            return self.codec("int8s")
+        return codec
+
+    def compressible(self, key: BlockKey, held_codec: int) -> Codec | None:
+        """The codec an L1 block held in ``held_codec`` should be re-encoded to (its class's L1
+        codec, out of the recent window), or None when it is held as precisely as it should be."""
+        stats = self._stats.get(key)
+        codec = self.l1_codec(key, stats.start_pos if stats is not None else 0)
+        if codec.loss_rank == 0 or loss_rank(held_codec) >= codec.loss_rank:
+            return None
+        return codec
 
     def for_disk(self, block: KVBlock) -> KVBlock:
         """:meth:`fit` for L3 (what the writer is handed)."""

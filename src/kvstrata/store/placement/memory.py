@@ -6,7 +6,8 @@ watermark is brought down to its low one by the demoter thread (:mod:`.demoter`)
 eviction scorer gives (protected blocks last), encoding each block for the tier below
 (:mod:`.encodings`). A block that leaves the lowest memory tier lives on in L3: the disk writer
 takes it when nothing else holds it. A namespace at its quota in a tier makes room among its own
-blocks. Held blocks (a reader's ref count > 0) are never moved.
+blocks. Held blocks (a reader's ref count > 0) are never moved. Full device memory first compresses
+the exact copies it holds of lossy classes' blocks (:mod:`.device_pages`), then demotes.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.durability import DiskWriter
+from kvstrata.store.placement.device_pages import DevicePages
 from kvstrata.store.placement.encodings import Encodings
 from kvstrata.store.placement.moves import (
     Hit,
     acceptable,
     charge,
     demotion_order,
+    idle_keys,
+    namespace_bytes,
     own,
     quota_victims,
     resident,
@@ -83,6 +87,8 @@ class MemoryTiers:
         self._quotas = config.namespace_quotas
         self._lock = threading.RLock()
         self._views = [t.view if isinstance(t, Views) else t.get for t in self.tiers]
+        self.device_pages = DevicePages.of(self.tiers, self._lock, stats, counters, encodings)
+        """Device memory's blocks held as pages, if it holds any (works under this lock)."""
 
     # -- lookups ---------------------------------------------------------------------------------
     def level_of(self, key: BlockKey) -> TierLevel | None:
@@ -170,14 +176,20 @@ class MemoryTiers:
             self.stats.forget(key)
         return removed
 
-    def _place(self, block: KVBlock, start: int, stop_before: TierLevel | None = None) -> Tier | None:
+    def _place(
+        self, block: KVBlock, start: int, stop_before: TierLevel | None = None, *, encode: bool = True
+    ) -> Tier | None:
         """Put ``block`` in the first memory tier from ``start`` that can take it (making room by
-        demotion when needed); the tier it landed in, or None when no memory tier could."""
+        demotion when needed); the tier it landed in, or None. L1 gets it as its class holds it
+        there, unless not ``encode`` (a promotion on a reader's path: compressed later)."""
         for i in range(start, len(self.tiers)):
             tier = self.tiers[i]
             if stop_before is not None and tier.level >= stop_before:
                 return None
-            stored = self._encodings.fit(block, tier.level) if tier.level is not TierLevel.L1 else block
+            if tier.level is not TierLevel.L1:
+                stored = self._encodings.fit(block, tier.level)
+            else:
+                stored = self._encodings.for_memory(block) if encode else block
             if not self._within_quota(i, stored):
                 self.counters.of(tier.level).rejected += 1
                 continue  # its namespace is at its quota here and keeps what it has
@@ -192,7 +204,7 @@ class MemoryTiers:
     def _promote(self, block: KVBlock, found_in: TierLevel) -> KVBlock:
         if self.top is None or self.top >= found_in:
             return block
-        placed = self._place(block, 0, stop_before=found_in)
+        placed = self._place(block, 0, stop_before=found_in, encode=False)
         if placed is not None and placed.level < found_in:
             self.counters.of(found_in).promotions += 1
             promoted = placed.get(block.key)
@@ -267,6 +279,9 @@ class MemoryTiers:
                 return
             target = self.config.low_watermark * (tier.usage().budget_bytes or 0)
             order = self._candidates(index)
+        pages = self.device_pages if index == 0 else None
+        if pages is not None and pages.compress_each(order, target, stop):
+            return  # compressing the blocks held more precisely than their class asks was enough
         for key in order:
             if tier.usage().used_bytes <= target or stop.is_set():
                 return
@@ -274,15 +289,8 @@ class MemoryTiers:
 
     def demote_idle(self, index: int, idle_s: float) -> None:
         """Blocks of tier ``index`` unused for ``idle_s`` move one tier down."""
-        now = time.monotonic()
         with self._lock:
-            idle = [
-                key
-                for key in self.tiers[index].keys()  # noqa: SIM118 (a Tier method)
-                if (s := self.stats.get(key)) is not None
-                and s.ref_count == 0
-                and now - s.last_access > idle_s
-            ]
+            idle = idle_keys(self.tiers[index], self.stats, idle_s)
         for key in idle:
             self.demote_one(index, key)
 
@@ -312,9 +320,13 @@ class MemoryTiers:
 
     def _make_room(self, index: int) -> bool:
         """Demote from tier ``index`` down to its low watermark (at least one block), inline (the
-        lock held): a put found the tier full."""
+        lock held): a put found the tier full. Device memory first compresses the blocks it holds
+        more precisely than their class asks (blocks promoted exact, or out of their window)."""
         tier = self.tiers[index]
         target = self.config.low_watermark * (tier.usage().budget_bytes or 0)
+        pages = self.device_pages if index == 0 else None
+        if pages is not None and pages.compress(self._candidates(0), target):
+            return True
         freed_any = False
         for key in self._candidates(index):
             if tier.usage().used_bytes <= target and freed_any:
@@ -382,11 +394,5 @@ class MemoryTiers:
 
     def namespace_usage(self) -> dict[tuple[str, TierLevel], int]:
         """Bytes per (namespace, tier) the memory tiers hold."""
-        out: dict[tuple[str, TierLevel], int] = {}
         with self._lock:
-            for tier in self.tiers:
-                for key in tier.keys():  # noqa: SIM118 (a Tier method)
-                    stats = self.stats.get(key)
-                    slot = ((stats.namespace if stats is not None else None) or "", tier.level)
-                    out[slot] = out.get(slot, 0) + tier.block_bytes(key)
-        return out
+            return namespace_bytes(self.tiers, self.stats)

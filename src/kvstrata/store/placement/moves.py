@@ -5,22 +5,68 @@ its quota gives up, what a block costs in a tier, and blocks made fit to keep. N
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from kvstrata.codecs import loss_rank
+from kvstrata.codecs import Codec, loss_rank
+from kvstrata.codecs.pages import PageSpec
 from kvstrata.keys import BlockKey
+from kvstrata.layout import KVLayout
 from kvstrata.policy import EvictionScorer
 from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.counters import StoreCounters
-from kvstrata.store.tiers.base import Tier
+from kvstrata.store.tiers.base import PagedTier, SlotCharges, Tier
 from kvstrata.tiering import TierLevel
 
 Hit = tuple[int, KVBlock, TierLevel]
 """A block served into a restore's buffer: (its index in the chain, the block, the tier)."""
+PagedHit = tuple[PageSpec, torch.Tensor, int]
+"""A block device memory holds as pages: how they lie, a view of them, its first position."""
+
+
+class Compressible(Protocol):
+    """What compression asks the ladder: the codec an L1 block held in a codec should have."""
+
+    def compressible(self, key: BlockKey, held_codec: int) -> Codec | None: ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+
+def pages_of(tier: PagedTier, keys: Sequence[BlockKey], max_loss: int | None) -> list[PagedHit | None]:
+    """Per key, the pages ``tier`` holds it as, when precise enough for ``max_loss``."""
+    found: list[PagedHit | None] = []
+    for key in keys:
+        held = tier.pages(key)
+        if held is not None and max_loss is not None and loss_rank(held[0].codec) > max_loss:
+            held = None  # looked for below, where a precise enough copy may lie
+        found.append(held)
+    return found
+
+
+def compress_in_place(tier: Tier, candidates: Sequence[BlockKey], ladder: Compressible, target: float) -> int:
+    """Re-encode ``tier``'s blocks held more precisely than their class asks (device memory's
+    exact copies of lossy classes' blocks), in ``candidates``' order, until the tier holds at
+    most ``target`` bytes; how many were."""
+    done = 0
+    for key in candidates:
+        if tier.usage().used_bytes <= target:
+            break
+        codec = tier.codec_of(key)
+        goal = ladder.compressible(key, codec) if codec is not None else None
+        block = tier.get(key) if goal is not None else None
+        if goal is None or block is None:
+            continue
+        encoded = own(block).reencoded(goal, ladder.layout)
+        tier.remove(key)
+        tier.put(encoded)
+        done += 1
+    return done
 
 
 def demotion_order(
@@ -95,14 +141,43 @@ def _owned(block: KVBlock) -> bool:
 
 
 def own(block: KVBlock) -> KVBlock:
-    """``block`` with a tensor of its own (an L1 view is cloned before its slot is reused)."""
+    """``block`` with a tensor (or record) of its own: an L1 view is copied before its slot is
+    reused."""
     if block.tensor is None:
-        return block
+        encoded = block.encoded
+        if encoded is None or isinstance(encoded.payload, bytes):
+            return block
+        owned = dataclasses.replace(encoded, payload=bytes(encoded.payload))
+        return KVBlock(block.key, block.num_tokens, block.start_pos, None, owned, block.namespace)
     return KVBlock(block.key, block.num_tokens, block.start_pos, block.tensor.clone())
 
 
 def charge(tier: Tier, block: KVBlock, slot_bytes: int) -> int:
-    """Bytes ``block`` will take in ``tier``: a whole slot in L1, its encoded size below."""
+    """Bytes ``block`` will take in ``tier``: a whole slot in L1 (a decoded block's, or its
+    codec's pages'), its encoded size below."""
+    if isinstance(tier, SlotCharges):
+        return tier.charge(block)
     if tier.level is TierLevel.L1 or block.encoded is None:
         return slot_bytes
     return block.encoded.nbytes
+
+
+def idle_keys(tier: Tier, stats: BlockStatsTable, idle_s: float) -> list[BlockKey]:
+    """Keys of ``tier`` not held and unused for ``idle_s`` seconds."""
+    now = time.monotonic()
+    return [
+        key
+        for key in tier.keys()  # noqa: SIM118 (a Tier method)
+        if (s := stats.get(key)) is not None and s.ref_count == 0 and now - s.last_access > idle_s
+    ]
+
+
+def namespace_bytes(tiers: Sequence[Tier], stats: BlockStatsTable) -> dict[tuple[str, TierLevel], int]:
+    """Bytes per (namespace, tier) ``tiers`` hold."""
+    out: dict[tuple[str, TierLevel], int] = {}
+    for tier in tiers:
+        for key in tier.keys():  # noqa: SIM118 (a Tier method)
+            block_stats = stats.get(key)
+            slot = ((block_stats.namespace if block_stats is not None else None) or "", tier.level)
+            out[slot] = out.get(slot, 0) + tier.block_bytes(key)
+    return out

@@ -2,7 +2,8 @@
 
 A session's most recent full blocks (and its partial tail) are written exact; when newer blocks
 push one out of the window (``age_out``), it is re-encoded with its class's L3 codec in a
-background thread and the L3 record swapped atomically, so the request path never pays for it.
+background thread and the L3 record swapped atomically, and its copy in device memory with its
+class's L1 codec (``MemoryTiers.compress_one``), so the request path never pays for it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvstrata.runtime import single_threaded_torch
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.durability import DiskWriter
+from kvstrata.store.placement.device_pages import DevicePages
 from kvstrata.store.placement.encodings import Encodings
 from kvstrata.store.placement.memory import MemoryTiers
 from kvstrata.store.tiers.base import Tier
@@ -37,14 +39,19 @@ class ReEncoder:
         disk: Tier,
         layout: KVLayout,
         counters: StoreCounters,
+        device_pages: DevicePages | None = None,
     ) -> None:
+        """``device_pages``: device memory's pages, whose exact copies of blocks leaving their
+        window are compressed here too (None: device memory holds every block decoded)."""
         self._memory = memory
+        self._device_pages = device_pages
         self._encodings = encodings
         self._writer = writer
         self._disk = disk
         self._layout = layout
         self._counters = counters
-        self._queue: queue.Queue[tuple[BlockKey, Codec, KVBlock | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[BlockKey, Codec | None, KVBlock | None] | None] = queue.Queue()
+        """(key, L3 codec, source); a None codec: compress the key's copy in device memory."""
         self._thread = threading.Thread(target=self._loop, name="kvstrata-reencoder", daemon=True)
         self._thread.start()
 
@@ -53,6 +60,8 @@ class ReEncoder:
         for key in keys:
             if not self._memory.leave_window(key):
                 continue
+            if self._device_pages is not None:
+                self._queue.put((key, None, None))
             target = self._encodings.target(key, TierLevel.L3)
             current = self._disk.codec_of(key)
             pending = self._writer.pending(key)
@@ -65,6 +74,13 @@ class ReEncoder:
                 source = KVBlock(key, source.num_tokens, source.start_pos, source.tensor.clone())
             self._queue.put((key, target, source))
 
+    def compress(self, keys: Iterable[BlockKey]) -> None:
+        """Re-encode ``keys``' copies in device memory to what their class holds them in now (their
+        grade changed), in the background; no-op where device memory holds no pages."""
+        if self._device_pages is not None:
+            for key in keys:
+                self._queue.put((key, None, None))
+
     def _loop(self) -> None:
         single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         while True:
@@ -73,6 +89,10 @@ class ReEncoder:
                 return
             key, target, source = item
             try:
+                if target is None:
+                    if self._device_pages is not None:
+                        self._device_pages.compress_one(key)
+                    continue
                 if source is None:
                     source = self._disk.get(key)
                 if source is not None:

@@ -41,6 +41,7 @@ from kvstrata.store.durability import DiskWriter
 from kvstrata.store.placement.demoter import Demoter
 from kvstrata.store.placement.encodings import Encodings
 from kvstrata.store.placement.memory import MemoryTiers
+from kvstrata.store.placement.pool import DevicePool
 from kvstrata.store.placement.reads import Reads
 from kvstrata.store.placement.reencoder import ReEncoder
 from kvstrata.store.placement.requests import DemotionRequests
@@ -100,12 +101,31 @@ class TieredStore:
         )
         self.level = self.memory.top or disk.level
         self.demoter = Demoter(self.memory, requests, config)
-        self.reencoder = ReEncoder(self.memory, self.encodings, self.disk_writer, disk, layout, self.counters)
+        self.reencoder = ReEncoder(
+            self.memory,
+            self.encodings,
+            self.disk_writer,
+            disk,
+            layout,
+            self.counters,
+            self.memory.device_pages,
+        )
         self.restorer = Restorer(self.memory, self.disk_writer, disk, self.remote, self.counters, layout)
         self.reads = Reads(
             self.memory, self.disk_writer, disk, self.restorer, self.counters, remote=self.remote is not None
         )
         self.writes = Writes(self.memory, self.encodings, self.disk_writer, disk, self.remote)
+        self.pool = DevicePool(
+            self.memory.device_pages,
+            self.memory.codecs,
+            self.encodings,
+            self.reencoder,
+            disk,
+            layout,
+            self.writes.put,
+            self.reads.restore,
+        )
+        """Device memory holding each class in its codec: paged restores, grades, upgrades."""
 
     def tier(self, level: TierLevel) -> Tier:
         """The local tier of ``level`` (memory tiers with no budget included)."""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstrata.codecs.base import EncodedBlock
+    from kvstrata.codecs.pages import PageSpec
     from kvstrata.store.index.block_rows import Placement
     from kvstrata.store.kvbin import RecordHeader
     from kvstrata.store.tiers.disk.segment_reads import Extent
@@ -34,9 +35,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchWrites",
     "BulkIndex",
+    "CodecCounts",
     "EncodedUsage",
+    "PagedTier",
     "SegmentReads",
     "SegmentSpace",
+    "SlotCharges",
     "Tier",
     "TierLevel",
     "TierUsage",
@@ -146,6 +150,23 @@ class Views(Protocol):
 
 
 @runtime_checkable
+class PagedTier(Protocol):
+    """A memory tier that holds blocks as resident pages attention reads in place (L1)."""
+
+    def pages(self, key: BlockKey) -> tuple[PageSpec, torch.Tensor, int] | None:
+        """(how the pages lie, a uint8 view of them, the block's first position), or None when
+        ``key`` is not held as pages."""
+        ...
+
+
+@runtime_checkable
+class SlotCharges(Protocol):
+    """A tier whose blocks take slots of a size that depends on how the block is held (L1)."""
+
+    def charge(self, block: KVBlock) -> int: ...
+
+
+@runtime_checkable
 class EncodedUsage(Protocol):
     """A tier that keeps blocks encoded and says how many bytes each codec takes."""
 
@@ -154,6 +175,13 @@ class EncodedUsage(Protocol):
     def logical_bytes(self) -> int:
         """Bytes its blocks would take decoded."""
         ...
+
+
+@runtime_checkable
+class CodecCounts(Protocol):
+    """A tier that says how many blocks it holds in each codec."""
+
+    def blocks_by_codec(self) -> dict[int, int]: ...
 
 
 @runtime_checkable

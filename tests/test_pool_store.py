@@ -1,0 +1,185 @@
+"""Device memory holds each class's blocks in its precision (issue 33): capacity per codec through
+``store.stats()``, the same budget holding more blocks of lossy classes, restores that copy pages
+as they are into a cache that attends to them where they lie, and the refusal of a ladder whose
+L1 codec attention cannot read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvstrata.codecs import CodecId
+from kvstrata.config import StoreConfig
+from kvstrata.errors import ConfigError
+from kvstrata.integrations.transformers.cache import KVStrataCache, PagedLayer, cache_for
+from kvstrata.layout import KVLayout
+from kvstrata.policy.grades import GradedCodecs
+from kvstrata.policy.ladder import CodecLadder, Rung
+from kvstrata.store import KVStore
+from kvstrata.tiering import TierLevel
+
+from conftest import token_kv
+
+Factory = Callable[..., KVStore]
+BF16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=64)
+FP32 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_tokens=64)
+POOL = CodecLadder(recent_blocks=1)  # the defaults: realtime exact, interactive int8s, background kivi4
+EXACT_L1 = CodecLadder(Rung(), Rung("int8", "int8"), Rung("kivi4", "kivi4"), recent_blocks=1)
+
+
+def _fill(store: KVStore, priority: str, sessions: int, blocks: int, layout: KVLayout) -> None:
+    for s in range(sessions):
+        session = store.create_session(f"{priority}-{s}", priority=priority)
+        tokens = [(s * 131 + i) % 997 for i in range(blocks * layout.block_tokens)]
+        store.append(session, tokens, token_kv(layout, tokens))
+    store.flush()
+    store.tiered.reencoder.flush()
+
+
+def _l1(store: KVStore) -> object:
+    return next(t for t in store.stats().tiers if t.tier == "L1")
+
+
+@pytest.mark.parametrize(
+    ("priority", "codec", "least"), [("interactive", "int8s", 1.9), ("background", "kivi4", 3.2)]
+)
+@pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
+def test_l1_holds_a_lossy_class_in_its_codec_and_stats_say_so(
+    open_store: Factory, priority: str, codec: str, least: float, layout: KVLayout
+) -> None:
+    store = open_store(
+        layout=layout, ladder=POOL, l1_budget_bytes=64 * layout.bytes_per_block, l2_budget_bytes=0
+    )
+    _fill(store, priority, sessions=2, blocks=6, layout=layout)
+    tier = _l1(store)
+    # every block out of a window is held encoded (2 sessions x 5), the two newest blocks exact;
+    # KIVI keeps the sequence's first tokens verbatim, no pages: each first block is int8s there
+    want = {codec: 10, "identity": 2} if codec == "int8s" else {codec: 8, "int8s": 2, "identity": 2}
+    assert tier.blocks_by_codec == want  # type: ignore[attr-defined]
+    per_block = tier.bytes_by_codec[codec] / tier.blocks_by_codec[codec]  # type: ignore[attr-defined]
+    sixteen_bit = layout.bytes_per_block // layout.itemsize * 2
+    assert sixteen_bit / per_block >= least  # the issue's capacity goal, per block
+    assert layout.bytes_per_block / per_block == pytest.approx(sixteen_bit / per_block * layout.itemsize / 2)
+
+
+@pytest.mark.parametrize(("priority", "least"), [("interactive", 1.9), ("background", 3.2)])
+def test_one_budget_keeps_more_blocks_of_a_lossy_class_resident(
+    open_store: Factory, tmp_path: object, priority: str, least: float
+) -> None:
+    """The same sessions through the same L1 budget (16-bit exact blocks: 40 fit): with each class
+    in its codec, at least the goal's multiple of blocks stays resident (the watermarks at the top:
+    blocks leave only when a put finds device memory full, so both hold what fits)."""
+    budget = 40 * BF16.bytes_per_block
+    counts = {}
+    exact_l1 = CodecLadder(Rung(), Rung("int8", "int8"), Rung("kivi4", "kivi4"), recent_blocks=0)
+    for name, ladder in (("pool", CodecLadder(recent_blocks=0)), ("exact", exact_l1)):
+        root = tmp_path / name  # type: ignore[operator]
+        store = open_store(
+            root,
+            BF16,
+            ladder=ladder,
+            l1_budget_bytes=budget,
+            l2_budget_bytes=0,
+            high_watermark=1.0,
+            low_watermark=0.99,
+        )
+        _fill(store, priority, sessions=20, blocks=10, layout=BF16)
+        counts[name] = _l1(store).blocks  # type: ignore[attr-defined]
+        store.close()
+    assert counts["exact"] <= 40
+    assert counts["pool"] >= least * counts["exact"]
+
+
+def test_a_restore_copies_pages_as_they_are_and_the_cache_attends_to_them_in_place(
+    open_store: Factory,
+) -> None:
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
+    _fill(store, "interactive", sessions=1, blocks=4, layout=FP32)
+    session = store.session("interactive-0")
+    held = {k: store.tiered.tier(TierLevel.L1).codec_of(k) for k in session.block_keys}
+    assert list(held.values()) == [CodecId.INT8S] * 3 + [CodecId.IDENTITY]
+    hits = store.counters.of(TierLevel.L1).hits
+    cache = cache_for(store, session, extra_tokens=8)
+    assert cache.get_seq_length() == 256 and cache.loaded is not None
+    assert cache.loaded.tokens_by_tier == {TierLevel.L1: 256}
+    assert store.counters.of(TierLevel.L1).hits == hits + 4
+    assert cache.pages is not None and len(cache.pages) == 3 and cache.pages.tokens == 192
+    assert all(isinstance(layer, PagedLayer) and layer.length == 64 for layer in cache.layers)
+    l1 = store.tiered.tier(TierLevel.L1)
+    for i, key in enumerate(session.block_keys[:3]):  # the same bytes device memory holds
+        _, pages, _ = l1.pages(key)  # type: ignore[attr-defined]
+        assert torch.equal(cache.pages.block_pages(i).reshape(-1), pages)
+    # the whole KV, as the encoded blocks decode, and the exact window as appended
+    want = token_kv(FP32, [i % 997 for i in range(256)])
+    got = cache.new_kv(0, 256)
+    assert torch.equal(got[:, :, :, 192:], want[:, :, :, 192:])
+    assert (got[:, :, :, :192] - want[:, :, :, :192]).abs().max() < 0.05
+
+
+def test_a_realtime_session_restores_exact_without_pages(open_store: Factory) -> None:
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
+    _fill(store, "realtime", sessions=1, blocks=4, layout=FP32)
+    session = store.session("realtime-0")
+    cache = cache_for(store, session)
+    assert cache.pages is None and not any(isinstance(layer, PagedLayer) for layer in cache.layers)
+    assert isinstance(cache, KVStrataCache)
+    want = token_kv(FP32, [i % 997 for i in range(256)])
+    assert torch.equal(cache.new_kv(0), want)  # bit for bit
+
+
+def test_a_ladder_naming_a_codec_that_cannot_sit_in_l1_is_refused_at_start() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^codec 'sparse' cannot sit in L1 \(device memory, the background class\)"
+    ):
+        StoreConfig.from_mapping({"ladder": {"background": {"l1": "sparse"}}})
+
+
+def test_one_agents_blocks_are_held_by_grade_sinks_and_recent_exact(open_store: Factory) -> None:
+    """A graded background rung: each block leaving the window is held by its grade among the
+    session's older blocks (attention mass received while it was recent); the first block (the
+    attention sinks) and the newest stay exact."""
+    grades = GradedCodecs("int8s", "kivi4", "kivi2", top_share=0.2, bottom_share=0.4)
+    ladder = CodecLadder(background=Rung("kivi4", "kivi4", "graded"), recent_blocks=1, grades=grades)
+    store = open_store(
+        layout=FP32, ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
+    session = store.create_session("graded", priority="background")
+    mass = [0.05, 0.9, 0.01, 0.5, 0.02, 0.4, 0.03, 0.3]  # what each block receives while recent
+    tokens = [i % 997 for i in range(8 * 64)]
+    kv = token_kv(FP32, tokens)
+    for b in range(8):
+        store.append(session, tokens[b * 64 : (b + 1) * 64], kv[:, :, :, b * 64 : (b + 1) * 64])
+        store.blocks.add_importance([(session.block_keys[b], mass[b])])
+    store.flush()
+    store.tiered.reencoder.flush()
+    l1 = store.tiered.tier(TierLevel.L1)
+    held = [CodecId(l1.codec_of(k)).name.lower() for k in session.block_keys]  # type: ignore[arg-type]
+    assert held[0] == "identity" and held[-1] == "identity"  # sinks, recent window
+    assert held[1] == "int8s" and held[2] == "kivi2"  # the most and the least attended
+    assert len(set(held)) == 4  # exact, int8s, kivi4, kivi2: one agent at four precisions
+    counts = _l1(store).blocks_by_codec  # type: ignore[attr-defined]
+    assert sum(counts.values()) == 8 and set(counts) == {"identity", "int8s", "kivi4", "kivi2"}
+
+
+def test_a_session_raised_to_realtime_attends_exact_kv_with_nothing_recomputed(open_store: Factory) -> None:
+    """A background session whose class keeps an exact L3 copy (upgradable): raised to realtime,
+    its lossy blocks in device memory are replaced by the exact ones before its next request,
+    which then restores every block exact from device memory."""
+    ladder = CodecLadder(background=Rung("kivi4", "identity", "kivi4"), recent_blocks=1)
+    store = open_store(
+        layout=FP32, ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
+    _fill(store, "background", sessions=1, blocks=4, layout=FP32)
+    session = store.session("background-0")
+    l1 = store.tiered.tier(TierLevel.L1)
+    assert [l1.codec_of(k) for k in session.block_keys] == [CodecId.INT8S, CodecId.KIVI4, CodecId.KIVI4, 0]
+    assert store.set_priority(session, "realtime") == (3, 0)
+    assert [l1.codec_of(k) for k in session.block_keys] == [CodecId.IDENTITY] * 4  # no lossy block left
+    assert store.session("background-0").priority == "realtime"
+    cache = cache_for(store, session)
+    assert cache.pages is None and cache.loaded is not None and cache.loaded.missing_from_token is None
+    assert cache.loaded.tokens_by_tier == {TierLevel.L1: 256}  # nothing recomputed, nothing read below
+    assert torch.equal(cache.new_kv(0), token_kv(FP32, [i % 997 for i in range(256)]))  # bit for bit
+    assert store.set_priority(session, "background") == (0, 0)  # lowering changes nothing stored
