@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol
 
 from kvstrata.keys import BlockKey
 from kvstrata.priority import Priority
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.placement.encodings import Encodings
-from kvstrata.store.placement.moves import PagedHit, compress_in_place, own, pages_of
+from kvstrata.store.placement.moves import (
+    PagedDeviceTier,
+    PagedHit,
+    compress_in_place,
+    held_as,
+    own,
+    pages_of,
+)
 from kvstrata.store.tiers.base import PagedTier, Tier
 from kvstrata.tiering import TierLevel
-
-
-class PagedDeviceTier(PagedTier, Tier, Protocol):
-    """Device memory as this module uses it: a tier that hands out its pages."""
 
 
 class DevicePages:
@@ -81,7 +83,7 @@ class DevicePages:
         (encoded outside the lock, swapped in under it unless it was read or removed meanwhile)."""
         tier = self._tier
         with self._lock:
-            block, codec = tier.get(key), tier.codec_of(key)
+            block, codec = tier.get(key), held_as(tier, key)
             if block is None or codec is None or self._stats.in_use(key):
                 return False
             target = self._encodings.compressible(key, codec)
@@ -90,7 +92,7 @@ class DevicePages:
             block = own(block)
         encoded = block.reencoded(target, self._encodings.layout)
         with self._lock:
-            if tier.codec_of(key) != codec or self._stats.in_use(key):
+            if held_as(tier, key) != codec or self._stats.in_use(key):
                 return False
             tier.remove(key)
             placed = tier.put(encoded)

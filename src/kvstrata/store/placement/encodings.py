@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvstrata import codecs
 from kvstrata.codecs import Codec, Kivi2Codec, Kivi4Codec, loss_rank
+from kvstrata.codecs.pages import can_page
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.policy.grades import grade_blocks
@@ -94,7 +95,11 @@ class Encodings:
             return self.codec("identity")
         codec = self.codec(self.ladder.l1_codec(priority, stats.grade))
         if isinstance(codec, Kivi4Codec | Kivi2Codec) and start_pos < codec.sink_tokens:
-            return self.codec("int8s")
+            codec = self.codec("int8s")
+        if codec.loss_rank > 0 and not can_page(codec.codec_id, self.layout.head_dim):
+            # no pages of this head dim for attention to read: held decoded it would save nothing
+            # and only lose precision, so device memory keeps the block exact
+            return self.codec("identity")
         return codec
 
     def compressible(self, key: BlockKey, held_codec: int) -> Codec | None:

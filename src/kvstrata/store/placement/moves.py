@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kvstrata.codecs import Codec, loss_rank
+from kvstrata.codecs import Codec, CodecId, loss_rank
 from kvstrata.codecs.pages import PageSpec
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
@@ -49,7 +49,22 @@ def pages_of(tier: PagedTier, keys: Sequence[BlockKey], max_loss: int | None) ->
     return found
 
 
-def compress_in_place(tier: Tier, candidates: Sequence[BlockKey], ladder: Compressible, target: float) -> int:
+class PagedDeviceTier(PagedTier, Tier, Protocol):
+    """Device memory as compression uses it: a tier that hands out its pages."""
+
+
+def held_as(tier: PagedDeviceTier, key: BlockKey) -> int | None:
+    """The form device memory holds ``key`` in: its pages' codec, or identity for a decoded block
+    (whatever precision its values carry, which ``codec_of`` reports); None when it is absent."""
+    codec = tier.codec_of(key)
+    if codec is None or tier.pages(key) is not None:
+        return codec
+    return int(CodecId.IDENTITY)
+
+
+def compress_in_place(
+    tier: PagedDeviceTier, candidates: Sequence[BlockKey], ladder: Compressible, target: float
+) -> int:
     """Re-encode ``tier``'s blocks held more precisely than their class asks (device memory's
     exact copies of lossy classes' blocks), in ``candidates``' order, until the tier holds at
     most ``target`` bytes; how many were."""
@@ -57,7 +72,7 @@ def compress_in_place(tier: Tier, candidates: Sequence[BlockKey], ladder: Compre
     for key in candidates:
         if tier.usage().used_bytes <= target:
             break
-        codec = tier.codec_of(key)
+        codec = held_as(tier, key)
         goal = ladder.compressible(key, codec) if codec is not None else None
         block = tier.get(key) if goal is not None else None
         if goal is None or block is None:

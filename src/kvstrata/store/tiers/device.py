@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.codecs import loss_rank
 from kvstrata.codecs import pages as page_layouts
 from kvstrata.codecs.base import CodecId, EncodedBlock
 from kvstrata.codecs.int8s import Int8SymCodec
@@ -41,6 +42,8 @@ class _Slot:
     spec: PageSpec | None
     """None: the slot holds a decoded block."""
     source_dtype: int = 0
+    decoded_from: int = int(CodecId.IDENTITY)
+    """A decoded block's precision: the lossy codec it was decoded from (identity: exact)."""
 
 
 class DeviceTier:
@@ -94,7 +97,7 @@ class DeviceTier:
         slot = self._slots.get(key)
         if slot is None:
             return None
-        return int(slot.spec.codec) if slot.spec is not None else int(CodecId.IDENTITY)
+        return int(slot.spec.codec) if slot.spec is not None else slot.decoded_from
 
     # -- writes ----------------------------------------------------------------------------------
     def put(self, block: KVBlock, *, replace: bool = False) -> bool:
@@ -106,6 +109,7 @@ class DeviceTier:
         size = self.slot_size(spec)
         if self._used + size > self.budget_bytes:
             return False
+        origin = int(CodecId.IDENTITY)
         if spec is not None:
             assert block.encoded is not None
             memory = self._take(size)
@@ -121,7 +125,11 @@ class DeviceTier:
             view[:, :, :, : block.num_tokens].copy_(tensor, non_blocking=False)
             stored = self.layout.block_nbytes(block.num_tokens)
             source = 0
-        self._slots[block.key] = _Slot(memory, block.num_tokens, block.start_pos, spec, source)
+            if block.encoded is not None and loss_rank(block.encoded.codec) > 0:
+                # decoded here, its precision is still the codec's: codec_of says so, so that a
+                # reader of a stricter class (or an upgrade) does not take it for exact
+                origin = int(block.encoded.codec)
+        self._slots[block.key] = _Slot(memory, block.num_tokens, block.start_pos, spec, source, origin)
         self._stored += stored
         return True
 
