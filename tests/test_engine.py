@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from kvstrata import ConfigError, KVStore, StoreConfig
+from kvstrata.codecs import CodecId
 from kvstrata.engine import Engine, GenerationRequest, QueueFullError, Response, StepReport
 from kvstrata.engine.prefix import common_prefix as _common_prefix
 from kvstrata.integrations.transformers.cache import cache_for
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
-from kvstrata.policy.ladder import CodecLadder
+from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.store.tiers.base import TierLevel
 
 from stored import flip_byte, live_records
@@ -425,3 +426,28 @@ def test_requests_can_give_token_ids(tiny: LoadedModel, open_store: Opener) -> N
         GenerationRequest("x", prompt="a", prompt_ids=[1])
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.run(GenerationRequest("x", prompt_ids=[1, 10**6]))
+
+
+def test_a_realtime_request_raises_a_background_session_and_attends_exact_kv(
+    tiny: LoadedModel, open_store: Opener
+) -> None:
+    """Upgrade on urgency through the engine: a background session (its class keeps L3 exact, so
+    it is upgradable) held lossy in device memory gets a realtime request; the session is raised
+    before its prefix is restored, so the reply is the exact recompute's, every cached token served
+    from device memory, nothing recomputed."""
+    # int8s in device memory: the tiny model's head dim (16) has no KIVI pages
+    ladder = CodecLadder(background=Rung("kivi4", "identity", "int8s"), recent_blocks=1)
+    store = open_store("upgrade", ladder=ladder)
+    engine = Engine(tiny, store)
+    first = engine.chat("s", turn1(), max_new_tokens=12, priority="background")
+    store.flush()
+    l1 = store.tiered.tier(TierLevel.L1)
+    keys = store.session("s").block_keys
+    assert sum(l1.codec_of(k) not in (None, CodecId.IDENTITY) for k in keys) >= 2  # held lossy
+    messages = turn2(first)
+    expected = recompute(tiny, open_store, messages)
+    got = engine.chat("s", messages, max_new_tokens=12, priority="realtime")
+    assert store.session("s").priority == "realtime"
+    assert got.token_ids == expected.token_ids and got.recomputed_reason is None
+    assert got.cached_by_tier["L1"] == got.cached_tokens >= len(keys) * BLOCK_TOKENS
+    assert all(l1.codec_of(k) == CodecId.IDENTITY for k in keys)  # no lossy block left

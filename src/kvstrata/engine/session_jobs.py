@@ -114,6 +114,10 @@ class SessionJobs:
                 session = self.store.create_session(
                     request.session_id, request.namespace, priority=request.priority, exist_ok=True
                 )
+                if Priority.parse(request.priority).rank < Priority.parse(session.priority).rank:
+                    # its class rose (a background agent asked for realtime): its lossy blocks are
+                    # made exact from L3's exact copies before its prefix is restored
+                    self.store.set_priority(session, request.priority)
                 mode = self.memory_modes.get(session.priority)
                 capacity = len(prompt_ids) + max_new_tokens
                 prefix = self.prefixes.load(session, prompt_ids, capacity, mode)
