@@ -42,6 +42,23 @@ def prompt(agent: int) -> list[int]:
     return SHARED + [(agent * 31 + j * 7) % 150 + 3 for j in range(SUFFIX)]
 
 
+FULL = len(SHARED) // BLOCK_TOKENS * BLOCK_TOKENS  # 200: the shared prefix's full blocks
+
+
+def loaded_the_prefix(cached: int) -> bool:
+    """A waiter's cached tokens: the 25 full blocks from the store, and the 5 tokens past them
+    taken from the computing row when it could be read at that moment (a read that races the step
+    thread's appends gives them up and computes those 5 itself: ``SessionJobs._borrow``)."""
+    return cached in (FULL, len(SHARED))
+
+
+def computed_once(run: Engines, responses: list[Response], suffixes: int) -> bool:
+    """The prefix's full blocks computed once: the steps computed the shared prefix, the suffixes,
+    and only the partial block's tokens that a waiter could not take from the row."""
+    extra = sum(len(SHARED) - r.cached_tokens for r in responses if r.cached_tokens >= FULL)
+    return run.computed == len(SHARED) + suffixes * SUFFIX + extra
+
+
 def request(agent: int, priority: str = "interactive") -> GenerationRequest:
     sampling = SamplingParams(6, 0.0, ignore_eos=True)
     return GenerationRequest(f"agent-{agent}", prompt_ids=prompt(agent), sampling=sampling, priority=priority)
@@ -125,8 +142,9 @@ def test_a_cancelled_computing_request_leaves_its_waiters_to_compute_the_rest(
     assert [r.finish_reason for r in others] == ["length"] * (AGENTS - 1)
     # one of the waiters computed the rest of the prefix (from the cancelled one's saved chunk
     # on), the others loaded it: the prefix was computed once in all
-    assert sorted(r.cached_tokens for r in others) == [CHUNK] + [len(SHARED)] * (AGENTS - 2)
-    assert run.computed == len(SHARED) + (AGENTS - 1) * SUFFIX
+    cached = sorted(r.cached_tokens for r in others)
+    assert cached[0] == CHUNK and all(loaded_the_prefix(c) for c in cached[1:])
+    assert computed_once(run, others, AGENTS - 1)
 
 
 def test_a_waiter_cancelled_while_it_waits_ends_and_the_others_go_on(
@@ -152,8 +170,9 @@ def test_a_waiter_cancelled_while_it_waits_ends_and_the_others_go_on(
     waiter = responses.pop(3)
     assert waiter.finish_reason == "cancelled" and waiter.token_ids == []
     assert [r.finish_reason for r in responses] == ["length"] * (AGENTS - 1)
-    assert sorted(r.cached_tokens for r in responses) == [0] + [len(SHARED)] * (AGENTS - 2)
-    assert run.computed == len(SHARED) + (AGENTS - 1) * SUFFIX
+    cached = sorted(r.cached_tokens for r in responses)
+    assert cached[0] == 0 and all(loaded_the_prefix(c) for c in cached[1:])
+    assert computed_once(run, responses, AGENTS - 1)
 
 
 def test_a_realtime_request_does_not_wait_for_an_interactive_prefill(
@@ -179,5 +198,5 @@ def test_a_realtime_request_does_not_wait_for_an_interactive_prefill(
         run.close()
     assert interactive.cached_tokens == 0
     assert realtime.cached_tokens == 0  # nothing of the prefix was stored yet: it computed it all
-    assert background.cached_tokens == len(SHARED)  # it waited for agent 0's blocks
-    assert run.computed == 2 * len(SHARED) + 3 * SUFFIX
+    assert loaded_the_prefix(background.cached_tokens)  # it waited for agent 0's blocks
+    assert run.computed == 2 * len(SHARED) + 3 * SUFFIX + len(SHARED) - background.cached_tokens
