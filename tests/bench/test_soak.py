@@ -1,7 +1,7 @@
 """``kvstrata bench soak`` for three minutes on the tiny model (the CI version of the 2-hour run):
 agents of every class through a real ``kvstrata serve`` with forks, TTL expiry, gc, two restarts
-(one of them ``kill -9``); no request fails (but for the known gc race below) and every checked reply equals its recompute. The
-slopes and ratios are measurements, reported, not asserted here."""
+(one of them ``kill -9``); no request fails (but for the known gc race below) and every checked
+reply equals its recompute. The slopes and ratios are measurements, reported, not asserted here."""
 
 from __future__ import annotations
 
