@@ -55,8 +55,8 @@ def test_extra_config_maps_onto_store_config(tmp_path: Path) -> None:
     assert cfg.priority is Priority.INTERACTIVE
     assert cfg.namespace == "team-a"
     assert cfg.store.remote is not None and cfg.store.remote.ttl_s == 3600
-    assert cfg.store.ladder.interactive == Rung("identity", "int8")
-    assert cfg.store.ladder.background == Rung("kivi2", "kivi2")
+    assert cfg.store.ladder.interactive == Rung("identity", "int8", "int8s")  # l1: the class default
+    assert cfg.store.ladder.background == Rung("kivi2", "kivi2", "kivi4")
     assert cfg.model_fingerprint == bytes.fromhex("ab" * 16)
     assert cfg.save_decode_blocks is False
 
