@@ -152,18 +152,18 @@ def test_a_batch_of_index_rows_replaces_and_accounts_as_row_by_row(open_store: F
     across query chunks, with keys replaced (in another namespace) and a key twice in a batch."""
     blocks = open_store().index.blocks
 
-    def row(i: int, namespace: str, nbytes: int, offset: int | None = None) -> BlockRow:
+    def row(i: int, namespace: str, nbytes: int, offset: int | None = None) -> BlockRow:  # file ids hex
         return BlockRow(BlockKey(i.to_bytes(32, "big")), False, 4, 0, 0, nbytes, 1.0, 1.0, 0, namespace,
-                        f"seg{i % 3}", offset)  # fmt: skip
+                        f"5e9{i % 3}", offset)  # fmt: skip
 
     assert blocks.put_many([row(1, "a", 100, 0), row(2, "a", 200, 100), row(3, "b", 300)]) == [None] * 3
     batch = [row(i, "c", 10) for i in range(10, 1210)]  # more keys than one query takes
     batch += [row(2, "b", 50, 7), row(3, "a", 60), row(11, "a", 70)]  # 2 and 3 replaced; 11 twice
     replaced = blocks.put_many(batch)
     assert replaced[:1200] == [None] * 1200
-    assert replaced[1200] == Placement(False, 200, 0, 4, "seg2", 100)
-    assert replaced[1201] == Placement(False, 300, 0, 4, "seg0", None)
-    assert replaced[1202] == Placement(False, 10, 0, 4, "seg2", None)  # the batch's own earlier row
+    assert replaced[1200] == Placement(False, 200, 0, 4, "5e92", 100)
+    assert replaced[1201] == Placement(False, 300, 0, 4, "5e90", None)
+    assert replaced[1202] == Placement(False, 10, 0, 4, "5e92", None)  # the batch's own earlier row
     counted = blocks.db.query("SELECT namespace, count(*), total(nbytes) FROM blocks GROUP BY namespace")
     assert blocks.usage_by_namespace() == {ns: (int(n), int(b)) for ns, n, b in counted}
     assert blocks.usage_by_namespace() == {"a": (3, 230), "b": (1, 50), "c": (1199, 11990)}
