@@ -77,6 +77,6 @@ def test_three_minutes_of_agents_restarts_kill_and_gc(tmp_path: Path) -> None:
     assert events["gc_sessions_deleted"] > 0  # abandoned background sessions expired by their TTL
     assert events["forks"] > 0 and events["ttl_sessions"] > 0
     samples = result.data["samples"]
-    assert len({s["segment"] for s in samples}) == events["restarts"] + 1 and len(samples) >= 20
+    assert len({s["segment"] for s in samples}) == events["restarts"] + 1  # samples from every start
     assert all(s["rss_bytes"] > 0 and s["open_files"] > 0 and s["threads"] > 0 for s in samples)
     assert result.save_plot(tmp_path / "soak.png") is not None
