@@ -123,7 +123,8 @@ def gc_guard(root: Path, index: Index, keyring: Keyring | None) -> GcGuard:
         problems = [str(exc)]
     if problems != ["ok"]:
         guard.refused = (
-            f"the index fails SQLite's check ({problems[0]}); nothing was deleted; run `kvstrata fsck`"[:400]
+            f"the index fails SQLite's check ({' '.join(problems[0].split())}); nothing was deleted; "
+            "run `kvstrata fsck`"
         )
         return guard
     journals = [read_journal(path, keyring) for path in journal_files(root)]
