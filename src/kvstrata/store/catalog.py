@@ -220,6 +220,19 @@ class SessionCatalog:
             session.committed_version = session.version
         return missing
 
+    def expire(self, session_id: str, namespace: str, idle: Callable[[SessionInfo], bool]) -> bool:
+        """Delete the session if ``idle`` of it, read again under its lease, says it still is
+        (gc's TTL and retention). A session whose lease a live process holds, expired or not, is
+        in use: ``SessionBusyError`` (a request can outlast a lease on a loaded machine, and the
+        server serving it would find its session gone at its checkpoint)."""
+        with self.leased(session_id, namespace, patient=True):
+            live = self._sessions.get((namespace, session_id))
+            row = self._table.get(namespace, session_id) if live is None else None
+            if live is None and row is None:
+                return False
+            info = live.info() if live is not None else Session.from_row(row).info()  # type: ignore[arg-type]
+            return idle(info) and self.delete(session_id, namespace)
+
     def delete(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         with self.leased(session_id, namespace):
             session = self._sessions.pop((namespace, session_id), None)
@@ -256,14 +269,16 @@ class SessionCatalog:
             del self._sessions[(namespace, session_id)]
 
     @contextlib.contextmanager
-    def leased(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Iterator[None]:
+    def leased(
+        self, session_id: str, namespace: str = DEFAULT_NAMESPACE, *, patient: bool = False
+    ) -> Iterator[None]:
         """Hold the session's lease while the block runs (``SessionBusyError`` if another live
-        process holds it); nested uses in one process share it."""
+        process holds it; ``patient``: even an expired one); nested uses in one process share it."""
         leases = self.writable()
         key = (namespace, session_id)
         depth = leases.depth.get(key, 0)
         if depth == 0:
-            leases.claim(namespace, session_id, force=True)
+            leases.claim(namespace, session_id, force=True, patient=patient)
         leases.depth[key] = depth + 1
         try:
             yield

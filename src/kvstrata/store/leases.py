@@ -34,14 +34,17 @@ class Leases:
         self.depth: dict[SessionId, int] = {}
         """How many ``leased`` blocks hold each lease now (a session being served)."""
 
-    def claim(self, namespace: str, session_id: str, *, force: bool = False) -> None:
-        """Hold the session's lease (taking or renewing it when less than half of it is left)."""
+    def claim(self, namespace: str, session_id: str, *, force: bool = False, patient: bool = False) -> None:
+        """Hold the session's lease (taking or renewing it when less than half of it is left);
+        ``patient``: not even an expired lease of a live process is taken over (gc's)."""
         key = (namespace, session_id)
         now = time.monotonic()
         if not force and self._until.get(key, 0.0) > now + LEASE_TTL_S / 2:
             return
         processes = self._processes
-        holder = self._table.acquire(namespace, session_id, processes.token, LEASE_TTL_S, processes.alive)
+        holder = self._table.acquire(
+            namespace, session_id, processes.token, LEASE_TTL_S, processes.alive, patient=patient
+        )
         if holder is not None:
             raise SessionBusyError(
                 f"session {namespace}/{session_id} is being changed by another process ({holder}); "

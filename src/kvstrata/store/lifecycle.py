@@ -6,8 +6,9 @@ that are merely unreferenced, collected next time); a block's index row goes bef
 crash in between leaves an orphan file, which the orphan sweep here removes).
 
 Other processes may be writing meanwhile, so:
-- one gc at a time (``gc.lock``); a session another process is serving (its lease is held) is
-  not expired under it;
+- one gc at a time (``gc.lock``); a session another live process is serving (it holds its lease,
+  even past the lease's expiry: a request may outlast it on a loaded machine) is not expired
+  under it;
 - the blocks to delete are chosen and their rows deleted in ONE index transaction that also reads
   every session's block keys: no session can be committed between the choice and the deletion
   naming a block deleted then (a checkpoint committed afterwards checks that its blocks still have
@@ -44,6 +45,7 @@ from kvstrata.store.index.block_rows import Placement
 from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.recovery.guard import GcGuard
 from kvstrata.store.recovery.records import trailing_info
+from kvstrata.store.sessions import SessionInfo
 from kvstrata.store.tiers.disk import DiskTier, parse_file_name
 
 _LIVE_WRITER_GRACE_S = 3600.0
@@ -161,17 +163,19 @@ class Maintenance:
 
     def _expire_sessions(self, config: GcConfig, now: float) -> tuple[int, int]:
         deleted = busy = 0
-        for info in self._catalog.list():
-            if not info.pinned and (
+
+        def idle(info: SessionInfo) -> bool:
+            return not info.pinned and (
                 (info.ttl_s is not None and now - info.last_access > info.ttl_s)
                 or now - info.last_access > config.retention_s
-            ):
-                try:
-                    self._catalog.delete(info.id, info.namespace)
+            )
+
+        for info in self._catalog.list():
+            if idle(info):
+                try:  # checked again under its lease: it may have been checkpointed since
+                    deleted += self._catalog.expire(info.id, info.namespace, idle)
                 except SessionBusyError:
-                    busy += 1  # in use by another process right now: not idle after all
-                    continue
-                deleted += 1
+                    busy += 1  # a live process holds its lease (a request in progress): not idle
         return deleted, busy
 
     def _delete_unreferenced(self, older_than: float, guard: GcGuard) -> dict[BlockKey, Placement]:

@@ -34,16 +34,25 @@ class LeaseTable:
         self.db = db
 
     def acquire(
-        self, namespace: str, session_id: str, owner: str, ttl_s: float, alive: Callable[[str], bool]
+        self,
+        namespace: str,
+        session_id: str,
+        owner: str,
+        ttl_s: float,
+        alive: Callable[[str], bool],
+        *,
+        patient: bool = False,
     ) -> str | None:
-        """Take (or renew) the lease; None on success, else the live owner that holds it."""
+        """Take (or renew) the lease; None on success, else the live owner that holds it.
+        ``patient``: an expired lease of a live owner is not taken over either (gc: a request
+        running longer than a lease lasts on a loaded machine is no sign of a hung owner)."""
         now = time.time()
         with self.db.transaction() as db:
             row = db.execute(
                 "SELECT owner, expires FROM session_leases WHERE namespace = ? AND id = ?",
                 (namespace, session_id),
             ).fetchone()
-            if row is not None and row[0] != owner and row[1] > now and alive(row[0]):
+            if row is not None and row[0] != owner and (patient or row[1] > now) and alive(row[0]):
                 return str(row[0])
             db.execute(
                 "INSERT OR REPLACE INTO session_leases VALUES (?, ?, ?, ?)",
