@@ -70,7 +70,10 @@ def test_one_budget_keeps_more_blocks_of_a_lossy_class_resident(
 ) -> None:
     """The same sessions through the same L1 budget (16-bit exact blocks: 40 fit): with each class
     in its codec, at least the goal's multiple of blocks stays resident (the watermarks at the top:
-    blocks leave only when a put finds device memory full, so both hold what fits)."""
+    blocks leave only when a put finds device memory full, so both hold what fits). No idle timer:
+    on a loaded machine a fill outlasts L1's 30 s idle age and the demoter's thread then took
+    blocks out at its own time (71 against 38 resident were seen); what stays is then only what
+    the puts decide."""
     budget = 40 * BF16.bytes_per_block
     counts = {}
     exact_l1 = CodecLadder(Rung(), Rung("int8", "int8"), Rung("kivi4", "kivi4"), recent_blocks=0)
@@ -84,11 +87,14 @@ def test_one_budget_keeps_more_blocks_of_a_lossy_class_resident(
             l2_budget_bytes=0,
             high_watermark=1.0,
             low_watermark=0.99,
+            l1_idle_demote_s=None,
+            l2_idle_demote_s=None,
         )
         _fill(store, priority, sessions=20, blocks=10, layout=BF16)
+        store.tiered.demoter.wait_idle()
         counts[name] = _l1(store).blocks  # type: ignore[attr-defined]
         store.close()
-    assert counts["exact"] <= 40
+    assert counts["exact"] == 40  # the budget full of 16-bit blocks
     assert counts["pool"] >= least * counts["exact"]
 
 
