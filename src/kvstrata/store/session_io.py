@@ -101,6 +101,7 @@ class SessionIO:
         is taken every ``checkpoint_every_tokens`` tokens.
         """
         self._catalog.claim(session)
+        graded = self._recall(session)
         new_tokens = [int(t) for t in token_ids]
         if kv.dim() != 5 or kv.shape[3] != len(new_tokens):
             raise ConfigError(f"kv must have shape (2, L, H, {len(new_tokens)}, D), got {tuple(kv.shape)}")
@@ -148,8 +149,9 @@ class SessionIO:
         if tail is not None:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
-        if self._ladder.graded(session.priority):  # grades first: what the blocks leaving the window become
+        if graded:  # grades first: what the blocks leaving the window become; kept in the session's row
             self._pool.regrade(session.block_keys, window_start)
+        session.grades = self._pool.grades(session.block_keys) if graded else None
         # blocks this append pushed out of the recent window go down the ladder, in the background
         self._age_out(
             session.block_keys[max(0, old_full - self._recent_blocks) : min(old_full, window_start)]
@@ -158,6 +160,14 @@ class SessionIO:
         session.last_access = time.time()
         if session.num_tokens - session.checkpointed_tokens >= self._config.checkpoint_every_tokens:
             self.checkpoint(session)
+
+    def _recall(self, session: Session) -> bool:
+        """Whether ``session``'s class is graded; its row's grades recalled where this process
+        knows none (a restart, another process)."""
+        graded = self._ladder.graded(session.priority)
+        if graded and session.grades is not None:
+            self._pool.recall(session.block_keys, session.grades, f"session {session.namespace}/{session.id}")
+        return graded
 
     def _block_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """``kv`` as blocks are stored (no torch operator where none is needed: each lets go of
@@ -198,6 +208,7 @@ class SessionIO:
     def truncate(self, session: Session, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens (for an edited history)."""
         self._catalog.claim(session)
+        graded = self._recall(session)
         if not 0 <= num_tokens <= session.num_tokens:
             raise ConfigError(f"cannot truncate {session.num_tokens} tokens to {num_tokens}")
         if num_tokens == session.num_tokens:
@@ -214,6 +225,7 @@ class SessionIO:
         session.block_keys = session.block_keys[:full]
         session.token_ids = keep_tokens[: full * bt]
         session.tail_key = None
+        session.grades = self._pool.grades(session.block_keys) if graded else None
         if session.lineage_from is not None and session.lineage_from >= num_tokens:
             session.lineage = session.lineage_from = None  # what is left was all computed exactly
         if partial_kv is not None:
@@ -238,15 +250,15 @@ class SessionIO:
         """
         want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
         session.last_access = time.time()
-        return self.load_blocks(
-            session.all_keys(),
-            want,
-            full_blocks=len(session.block_keys),
-            priority=session.priority,
-            capacity=capacity,
-            out=out,
-            paged=paged,
-        )
+        graded = self._recall(session)
+        keys = session.all_keys()
+        loaded = self.load_blocks(
+            keys, want, full_blocks=len(session.block_keys), priority=session.priority, capacity=capacity,
+            out=out, paged=paged,
+        )  # fmt: skip
+        if graded and set(loaded.tokens_by_tier) - {TierLevel.L1}:
+            self._pool.settle(session.block_keys)  # promoted from below as they came: to their grades
+        return loaded
 
     def set_priority(self, session: Session, priority: Priority | str) -> tuple[int, int]:
         """Change ``session``'s class, committed at once. When it rises, its blocks held lossier

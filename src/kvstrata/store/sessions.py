@@ -31,7 +31,9 @@ MANIFEST_FORMAT = 1
 # Row fields a manifest does not carry: the local version counter (each store keeps its own).
 _LOCAL_ONLY = ("version", "remote_version")
 # Manifest fields that are bytes in the row: hex (short) or base64 (token ids, keys).
-_HEX = ("model_fingerprint", "tail_key", "lineage")
+_HEX = ("model_fingerprint", "tail_key", "lineage", "grades")
+# Row fields a manifest carries only when set (a manifest without them is read as None).
+_OPTIONAL = ("lineage", "lineage_from", "grades")
 _B64 = ("token_ids", "block_keys")
 
 
@@ -93,6 +95,9 @@ class Session:
     tokens from ``lineage_from`` on was computed over a pruned context, and their blocks are keyed
     apart from exact ones (:func:`kvstrata.keys.pruned_parent`). None: every block is exact."""
     lineage_from: int | None = None
+    grades: bytes | None = None
+    """Its full blocks' grades where its class's L1 rung is graded, as the index row keeps them
+    (:mod:`kvstrata.store.index.session_grades`; written by ``SessionIO.append``)."""
     committed_version: int | None = None
     """The version of the index row this process last read or wrote (None: never committed):
     commits compare-and-set on it, so a stale copy never overwrites another process's newer
@@ -155,8 +160,8 @@ class Session:
         body: dict[str, Any] = {"format": MANIFEST_FORMAT}
         for name in COLUMNS:
             value = getattr(row, name)
-            if name in _LOCAL_ONLY or (name in ("lineage", "lineage_from") and row.lineage is None):
-                continue  # only sessions a lossy memory mode pruned carry a lineage
+            if name in _LOCAL_ONLY or (name in _OPTIONAL and getattr(row, name) is None):
+                continue  # only sessions a lossy memory mode pruned carry a lineage; graded ones grades
             if value is not None and name in _HEX:
                 value = value.hex()
             elif name in _B64:
@@ -179,7 +184,7 @@ class Session:
             for name in COLUMNS:
                 if name in _LOCAL_ONLY:
                     continue
-                value = body.get(name) if name in ("lineage", "lineage_from") else body[name]
+                value = body.get(name) if name in _OPTIONAL else body[name]
                 if value is not None and name in _HEX:
                     value = bytes.fromhex(value)
                 elif name in _B64:

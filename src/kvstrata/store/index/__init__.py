@@ -8,7 +8,8 @@ open uses the same file; SQLite (WAL, short write transactions, a busy timeout) 
 
 Format history: 1, the first; 2 adds a namespace per block row, per-namespace usage totals and
 session leases; 3 adds segment files (a row names its segment and the record's offset in it);
-4 checksums every session row (``row_crc``) and seals its token ids in an encrypted store. A
+4 checksums every session row (``row_crc``) and seals its token ids in an encrypted store; 5 keeps
+the grades of a graded session's blocks in its row (``grades``, :mod:`.session_grades`). A
 store of an older format is migrated in one transaction when a writer opens it; its block files
 stay readable where they are. An older build refuses a newer format (it would not find the
 blocks in segments, nor open sealed token ids).

@@ -27,7 +27,7 @@ from kvstrata.errors import (
 )
 from kvstrata.layout import KVLayout
 
-INDEX_FORMAT_VERSION = 4
+INDEX_FORMAT_VERSION = 5
 ROW_CRC_FORMAT = 4
 """From this format on, every session row carries its checksum."""
 APPLICATION_ID = 0x4B565354  # "KVST": marks the SQLite file as ours

@@ -28,6 +28,7 @@ from kvstrata.crypto import NONCE_BYTES, Keyring
 from kvstrata.errors import ConfigError, CorruptBlockError, EncryptionKeyError
 from kvstrata.keys import KEY_BYTES, LINEAGE_BYTES, BlockKey, root_key, session_chain
 from kvstrata.layout import KVLayout
+from kvstrata.store.index.session_grades import unpack_grades
 from kvstrata.store.index.session_rows import COLUMNS, TABLE, SessionRow
 
 _AAD_PREFIX = b"kvstrata-session-tokens-v1\x00"
@@ -50,12 +51,15 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "remote_version": (int,),
     "lineage": (bytes, type(None)),
     "lineage_from": (int, type(None)),
+    "grades": (bytes, type(None)),
 }
 assert set(_TYPES) == set(COLUMNS), "every column of SessionRow has its type here"
 # (index, SQL type) of each checksummed column: the value is written as its column stores it
 _CRC_AT = [
     (i, c.sql.split()[0]) for i, c in enumerate(TABLE.columns[: len(COLUMNS)]) if c.name not in _UNCHECKED
 ]
+# columns added after format 4: a NULL one adds nothing to the checksum (a row of format 4 verifies)
+_LATER = {COLUMNS.index("grades")}
 
 
 def row_crc(values: Sequence[object], sealed: int) -> int:
@@ -64,6 +68,8 @@ def row_crc(values: Sequence[object], sealed: int) -> int:
     parts = [b"kvstrata-session-row-v1", bytes((sealed,))]
     for i, sql_type in _CRC_AT:
         value = values[i]
+        if value is None and i in _LATER:
+            continue
         if value is None:
             parts.append(b"N")
         elif sql_type == "BLOB":
@@ -144,6 +150,8 @@ class SessionRowCodec:
             raise CorruptBlockError(f"{where}: its token count, token ids and block keys disagree")
         if row.tail_key is not None and len(row.tail_key) != KEY_BYTES:
             raise CorruptBlockError(f"{where}: malformed tail key")
+        if row.grades is not None:
+            unpack_grades(row.grades, where)
         for name in ("ttl_s", "created", "last_access"):
             value = getattr(row, name)
             if value is not None and not math.isfinite(value):

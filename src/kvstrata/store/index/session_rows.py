@@ -8,7 +8,9 @@ the session object (:mod:`kvstrata.store.sessions`) and its remote manifest.
 
 Format history of the table: ``remote_version`` and ``lineage``/``lineage_from`` were added in
 format 2; ``sealed`` and ``row_crc`` in format 4 (a writer that opens an older store adds them and
-checksums its rows).
+checksums its rows); ``grades`` in format 5 (the grades of a graded session's blocks,
+:mod:`.session_grades`; NULL in older rows, and then left out of the row's checksum, so a row
+checksummed by format 4 still verifies).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class SessionRow:
     remote_version: int = column("INTEGER NOT NULL DEFAULT 0", added="0", summary=False, default=0)
     lineage: bytes | None = column("BLOB", added="NULL", summary=False, default=None)
     lineage_from: int | None = column("INTEGER", added="NULL", summary=False, default=None)
+    grades: bytes | None = column("BLOB", added="NULL", summary=False, default=None)
+    """Its full blocks' grades where its class's L1 rung is graded (:mod:`.session_grades`)."""
 
     def __post_init__(self) -> None:
         self.pinned = bool(self.pinned)

@@ -3,6 +3,11 @@
 A block in a session's recent window stays exact; otherwise its class (the most demanding that
 used it, :mod:`kvstrata.store.block_stats`) picks its rung of the ladder. A block already encoded
 at least as lossily as the target is kept as it is: re-encoding cannot regain precision.
+
+Where the class's L1 rung is graded, a block's copies below device memory are never lossier than
+its grade's L1 codec (the first block, the attention sinks, exact): a restore from L3 then puts
+each block back at its grade, which the session's index row keeps (:meth:`Encodings.grades_of`,
+:meth:`Encodings.recall`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from kvstrata.policy.ladder import CodecLadder
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
+from kvstrata.store.index.session_grades import BlockGrade
 from kvstrata.tiering import TierLevel
 
 
@@ -40,9 +46,15 @@ class Encodings:
         stats = self._stats.get(key)
         if stats is None or stats.recent:
             name = "identity" if stats is not None else self.ladder.codec_for(Priority.INTERACTIVE, level)
-        else:
-            name = self.ladder.codec_for(stats.priority or Priority.INTERACTIVE, level)
-        return self.codec(name)
+            return self.codec(name)
+        priority = stats.priority or Priority.INTERACTIVE
+        codec = self.codec(self.ladder.codec_for(priority, level))
+        if level is not TierLevel.L1 and self.ladder.graded(priority):
+            # never lossier than its grade holds it in device memory (the sinks' block exact)
+            floor = self.ladder.l1_codec(priority, stats.grade) if stats.start_pos != 0 else "identity"
+            if self.codec(floor).loss_rank < codec.loss_rank:
+                codec = self.codec(floor)
+        return codec
 
     def regrade(self, keys: Sequence[BlockKey], recent_from: int) -> list[BlockKey]:
         """Grade a session's blocks (``keys`` in order; from ``recent_from`` on in its recent
@@ -59,6 +71,28 @@ class Encodings:
         )
         changed = set(stats.set_grades(zip(keys, (g.value for g in grades), strict=True)))
         return [key for key in keys[:recent_from] if key in changed]
+
+    def grades_of(self, keys: Sequence[BlockKey]) -> list[BlockGrade]:
+        """What a session's index row keeps of its blocks' grades (``keys``: its full blocks)."""
+        out = []
+        for key in keys:
+            stats = self._stats.get(key)
+            if stats is None:
+                out.append(BlockGrade(None, 0.0, False))
+            else:
+                out.append(BlockGrade(stats.grade, stats.importance, stats.protected))
+        return out
+
+    def recall(self, keys: Sequence[BlockKey], grades: Sequence[BlockGrade]) -> None:
+        """Give ``keys`` (a session's full blocks) the grades its index row kept, where this
+        process knows none yet (a restart, another process): what it knows is newer."""
+        stats = self._stats
+        table = stats.ensure_many(keys)
+        stats.set_grades((k, g.grade) for k, s, g in zip(keys, table, grades, strict=True) if s.grade is None)
+        stats.add_importance(
+            (k, g.importance) for k, s, g in zip(keys, table, grades, strict=True) if s.importance == 0.0
+        )
+        stats.protect(k for k, g in zip(keys, grades, strict=True) if g.protected)
 
     def max_loss(self, priority: Priority | None) -> int:
         """The lossiest stored copy a session of ``priority`` (interactive when unknown) accepts."""

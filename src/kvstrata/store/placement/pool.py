@@ -13,6 +13,7 @@ from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.priority import Priority
 from kvstrata.store.block import KVBlock
+from kvstrata.store.index.session_grades import pack_grades, unpack_grades
 from kvstrata.store.placement.device_pages import DevicePages
 from kvstrata.store.placement.encodings import Encodings
 from kvstrata.store.placement.reencoder import ReEncoder
@@ -77,3 +78,21 @@ class DevicePool:
         """Grade a session's blocks (:meth:`Encodings.regrade`); those whose grade changed out of
         the recent window are re-encoded in device memory in the background."""
         self._reencoder.compress(self._encodings.regrade(keys, recent_from))
+
+    def grades(self, keys: Sequence[BlockKey]) -> bytes:
+        """What a graded session's index row keeps of its full blocks' (``keys``) grades."""
+        return pack_grades(self._encodings.grades_of(keys))
+
+    def recall(self, keys: Sequence[BlockKey], stored: bytes, where: str) -> None:
+        """Give a graded session's full blocks (``keys``) the grades its row kept (``grades``)
+        where this process knows none: a restart or another process restores it at its grades.
+        Grades of another count of blocks than ``keys`` (a row older than a truncate) are
+        ignored."""
+        grades = unpack_grades(stored, where)
+        if len(grades) == len(keys):
+            self._encodings.recall(keys, grades)
+
+    def settle(self, keys: Sequence[BlockKey]) -> None:
+        """Bring ``keys``' copies in device memory to what their class and grade hold them in
+        (blocks a restore promoted as they came from below), in the background."""
+        self._reencoder.compress(keys)
