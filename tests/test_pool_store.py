@@ -10,14 +10,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvstrata.codecs import CodecId
+from kvstrata.codecs import CodecId, get_codec
 from kvstrata.config import StoreConfig
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, PagedLayer, cache_for
+from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
 from kvstrata.policy.grades import GradedCodecs
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.store import KVStore
+from kvstrata.store.block import KVBlock
 from kvstrata.tiering import TierLevel
 
 from conftest import token_kv
@@ -189,3 +191,22 @@ def test_a_session_raised_to_realtime_attends_exact_kv_with_nothing_recomputed(o
     assert cache.loaded.tokens_by_tier == {TierLevel.L1: 256}  # nothing recomputed, nothing read below
     assert torch.equal(cache.new_kv(0), token_kv(FP32, [i % 997 for i in range(256)]))  # bit for bit
     assert store.set_priority(session, "background") == (0, 0)  # lowering changes nothing stored
+
+
+def test_a_slot_made_in_inference_mode_takes_a_block_outside_it(open_store: Factory) -> None:
+    """Device memory's slots outlive their blocks: one made while the step thread runs in inference
+    mode takes the next block of its size put by another thread (the prefetcher) outside it."""
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=2 * FP32.bytes_per_block, l2_budget_bytes=0)
+    l1 = store.tiered.tier(TierLevel.L1)
+    kv = token_kv(FP32, list(range(64)))
+    first, second = (
+        KVBlock(BlockKey(bytes([i]) * 32), 64, 64, kv.clone()).reencoded(get_codec("int8s"), FP32)
+        for i in (1, 2)
+    )
+    with torch.inference_mode():
+        assert l1.put(first)
+    assert l1.remove(first.key)
+    assert l1.put(second)  # the freed slot, reused: its pages copied in (refused on main)
+    assert l1.codec_of(second.key) == CodecId.INT8S
+    want = second.decoded(FP32)
+    assert torch.equal(l1.get(second.key).decoded(FP32), want)  # type: ignore[union-attr]

@@ -162,7 +162,10 @@ class DeviceTier:
             while slots and self._used + self._kept > self.budget_bytes:
                 slots.pop()
                 self._kept -= other
-        return torch.empty(size, dtype=torch.uint8, device=self.device)
+        # never an inference tensor (a slot made under the step thread's inference mode is reused
+        # by other threads, the prefetcher's, whose writes into one would be refused)
+        with torch.inference_mode(False):
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def remove(self, key: BlockKey) -> bool:
         slot = self._slots.pop(key, None)
