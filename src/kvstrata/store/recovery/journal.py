@@ -91,11 +91,15 @@ class SessionJournal:
         self._written[(row.namespace, row.id)] = mark
 
     def record_deletion(self, namespace: str, session_id: str, created: float, version: int) -> None:
-        """Journal a session's deletion before its row goes."""
+        """Journal a session's deletion before its row goes (``version``: the row's). It is
+        journaled one version above the row, so that it orders after a checkpoint a killed process
+        journaled and never committed (one version ahead of the row, :func:`compare_with_index`):
+        that manifest then no longer names blocks for gc to keep (recovery's gc guard), and a
+        rebuild does not bring the deleted session back."""
         self._written.pop((namespace, session_id), None)
         self._append(
             deletion_record(
-                namespace, session_id, created, version, next_seq(), self.layout.fingerprint, self.keyring
+                namespace, session_id, created, version + 1, next_seq(), self.layout.fingerprint, self.keyring
             )
         )
 
