@@ -285,3 +285,20 @@ def test_gc_prints_one_line_whichever_index_page_is_zeroed(open_store: Factory, 
         assert len(result.stderr.strip().splitlines()) <= 1, (page, result.stderr)
         refused += result.exit_code == 1
     assert refused  # most pages matter: the check can fail
+
+
+@pytest.mark.parametrize("value", ["{", "inf", "nan"])
+def test_gc_refuses_in_one_line_when_the_index_creation_time_is_damaged(
+    open_store: Factory, tmp_path: Path, value: str
+) -> None:
+    # gc's age rule reads the index's creation time (found by `kvstrata bench fuzz`, seed 59930:
+    # ValueError: could not convert string to float: '{')
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    with sqlite3.connect(root / "index.sqlite") as db:
+        db.execute("UPDATE meta SET value = ? WHERE name = 'created'", (value,))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "index.sqlite")
+    result = CliRunner().invoke(app, ["gc", "--store", str(root)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "creation time is damaged" in result.stderr
+    assert all(p.exists() for p in files)  # nothing deleted

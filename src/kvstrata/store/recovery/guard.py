@@ -108,7 +108,15 @@ class GcGuard:
 
 def gc_guard(root: Path, index: Index, keyring: Keyring | None) -> GcGuard:
     guard = GcGuard(store_id=index.get_meta(STORE_ID_META))
-    guard.index_created_ns = int(float(index.get_meta("created") or 0.0) * 1e9)
+    created = index.get_meta("created")
+    try:
+        guard.index_created_ns = int(float(created or 0.0) * 1e9)
+    except (ValueError, OverflowError):  # a damaged meta row: the age rule cannot be applied
+        guard.refused = (
+            f"the index's creation time is damaged ({created[:40]!r}); nothing was deleted; "
+            "run `kvstrata fsck`"
+        )
+        return guard
     live = live_nonces(root)
     rebuilt = index.get_meta(NEEDS_FSCK_META)
     if rebuilt:
