@@ -119,3 +119,30 @@ def test_cli_rejects_bad_counts() -> None:
     result = CliRunner().invoke(app, ["bench", "agents", "--agents", "4,x"])
     assert result.exit_code == 1
     assert "--agents: 'x' is not an integer" in result.output
+
+
+def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_path: Path) -> None:
+    """``--pool`` (issue 33): encoded L1, exact L1 and the hot agents alone, each on the wall
+    clock; device memory holds the hot (interactive) agent's blocks as int8s in the first, exact in
+    the second (the tiny model's head dim 16 has no KIVI pages: the background agent stays exact)."""
+    from kvstrata.bench.agents.pool import ALONE, ENCODED, EXACT
+    from kvstrata.cli.main import app
+
+    args = ["bench", "agents", "--pool", "--model", "tiny", "--agents", "2", "--duration", "10"]
+    args += ["--budget-buffers", "4", "--buffer-tokens", "600", "--system-chars", "100"]
+    args += ["--max-new-tokens", "2", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)["data"]
+    assert data["clock"] == "wall"
+    ((encoded, exact, alone),) = data["runs"]
+    assert [encoded["system"], exact["system"], alone["system"]] == [ENCODED, EXACT, ALONE]
+    assert encoded["hot_requests"] == exact["hot_requests"] == alone["hot_requests"] == 10
+    assert encoded["background_requests"] == exact["background_requests"] == 1
+    assert alone["background_requests"] == 0
+    assert encoded["l1_blocks_by_codec"].get("int8s", 0) > 0
+    assert set(exact["l1_blocks_by_codec"]) == {"identity"}
+    assert all(run["resident_samples"] > 0 for run in (encoded, exact, alone))
+    (verdict,) = data["verdicts"]
+    assert verdict["agents"] == 2 and verdict["hot_p99_vs_alone"] > 0
+    assert isinstance(verdict["met"], bool)

@@ -10,12 +10,13 @@ from typer.testing import CliRunner
 
 from kvstrata.bench.common.models import load_bench_model
 from kvstrata.bench.trace.mooncake import TokenMap, TraceRequest, ideal_hits, load_trace, select
-from kvstrata.bench.trace.params import KVSTRATA, PLAIN_LRU, TraceParams
+from kvstrata.bench.trace.params import KVSTRATA, KVSTRATA_EXACT_L1, PLAIN_LRU, TraceParams
 from kvstrata.bench.trace.runner import run, token_map_for
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
 
 BT = 4
+TWO = (KVSTRATA, PLAIN_LRU)  # where device memory is not what a test checks (a shorter run)
 
 # Two conversations that share block 0 (a system prompt); conversation A grows over three turns.
 TRACE = [
@@ -95,6 +96,13 @@ def test_unbounded_replay_hits_equal_the_ideal(tiny: LoadedModel, tmp_path: Path
     per_request = [r["hit_blocks"] for r in result.data["requests"][KVSTRATA]]
     assert per_request == [0, 1, 3, 4, 2]
     assert [r["hit_blocks"] for r in result.data["requests"][PLAIN_LRU]] == per_request
+    assert [r["hit_blocks"] for r in result.data["requests"][KVSTRATA_EXACT_L1]] == per_request
+    # device memory: kvstrata holds these interactive blocks as int8s pages, exact L1 exact
+    l1 = {p["policy"]: p["bytes_by_codec"]["L1"] for p in result.data["policies"]}
+    assert l1[KVSTRATA].get("int8s", 0) > 0
+    assert set(l1[KVSTRATA_EXACT_L1]) == set(l1[PLAIN_LRU]) == {"identity"}
+    notes = result.tables[0].notes
+    assert any(n.startswith(f"{KVSTRATA} against {PLAIN_LRU}: TTFT P50") for n in notes)
 
 
 def test_token_map_avoids_special_tokens(tiny: LoadedModel) -> None:
@@ -115,7 +123,7 @@ def test_cli_json_and_plot(tiny: LoadedModel, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["suite"] == "trace"
-    assert [p["policy"] for p in data["data"]["policies"]] == [KVSTRATA, PLAIN_LRU]
+    assert [p["policy"] for p in data["data"]["policies"]] == [KVSTRATA, KVSTRATA_EXACT_L1, PLAIN_LRU]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -131,7 +139,9 @@ def test_cli_rejects_bad_input(tmp_path: Path) -> None:
 
 
 def bounded_replay(tiny: LoadedModel, tmp_path: Path) -> dict[str, dict[str, object]]:
-    params = TraceParams(block_tokens=BT, memory_fraction=0.3, time_scale=1000.0, l3_budget=0.5, model="tiny")
+    params = TraceParams(
+        block_tokens=BT, memory_fraction=0.3, time_scale=1000.0, l3_budget=0.5, model="tiny", policies=TWO
+    )
     result = run(params, model=tiny, requests=TRACE, work=tmp_path, show_progress=False)
     unique = result.data["slice"]["unique_kv_bytes"]
     assert result.data["slice"]["l3_budget_bytes"] == int(unique * 0.5)
@@ -170,7 +180,9 @@ TRACE_MANY = [TraceRequest(100 * i, 800, 10, (0, i)) for i in range(1, 9)]
 
 
 def test_bounded_l3_evicts_and_never_fails_a_write(tiny: LoadedModel, tmp_path: Path) -> None:
-    params = TraceParams(block_tokens=BT, memory_fraction=0.3, time_scale=1000.0, l3_budget=0.5, model="tiny")
+    params = TraceParams(
+        block_tokens=BT, memory_fraction=0.3, time_scale=1000.0, l3_budget=0.5, model="tiny", policies=TWO
+    )
     result = run(params, model=tiny, requests=TRACE_MANY, work=tmp_path, show_progress=False)
     for summary in result.data["policies"]:
         name, writes, sessions = summary["policy"], summary["writes"], summary["sessions"]

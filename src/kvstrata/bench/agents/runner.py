@@ -261,9 +261,20 @@ def run(
     model: LoadedModel | None = None,
     work: Path | None = None,
     show_progress: bool = True,
+    pool: bool = False,
 ) -> BenchResult:
+    """The simulated-clock sweep against fixed buffers; with ``pool``, encoded against exact
+    device memory on the wall clock instead (:mod:`.pool`)."""
     params = params or AgentsParams()
     with workdir(work, "kvstrata-bench-agents-") as root:
+        if pool:
+            from kvstrata.bench.agents.pool import pool_result, run_pool
+
+            if model is None:
+                model = load_bench_model(params.model, workdir=root, tiny=params.tiny)
+            with progress_bar(show_progress) as progress:
+                runs = run_pool(model, params, root, progress)
+            return pool_result(params, model, model.layout(), runs)
         if model is None:
             model = load_bench_model(params.model, workdir=root, tiny=params.tiny)
         layout = model.layout()
@@ -296,6 +307,14 @@ def command(
     ] = 4000,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per reply.")] = 4,
     p99_limit: Annotated[float, typer.Option(help="Hot P99 limit, as a multiple of the unloaded P99.")] = 1.1,
+    pool: Annotated[
+        bool,
+        typer.Option(
+            "--pool",
+            help="Encoded against exact device memory (L1) on the wall clock, hot agents alone as the "
+            "reference (issue 33), instead of the simulated-clock sweep against fixed buffers.",
+        ),
+    ] = False,
     model: ModelOption = None,
     workdir_: WorkdirOption = None,
     json_out: JsonOutOption = False,
@@ -316,5 +335,5 @@ def command(
             p99_limit=p99_limit,
             model=model,
         )
-        result = run(params, work=workdir_)
+        result = run(params, work=workdir_, pool=pool)
     show(result, json_out=json_out, plot=plot)

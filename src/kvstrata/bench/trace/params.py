@@ -12,6 +12,9 @@ from kvstrata.bench.common.models import TinyShape
 from kvstrata.errors import ConfigError
 
 KVSTRATA = "kvstrata (cost + ladder)"
+"""The default policy: each class held in its codec in device memory too (encoded L1, issue 33)."""
+KVSTRATA_EXACT_L1 = "kvstrata, exact L1"
+"""The default policy with every class held exact in device memory (L2 and L3 as the ladder says)."""
 PLAIN_LRU = "plain LRU (exact)"
 TIERS = ("L1", "L2", "L3")
 
@@ -31,7 +34,7 @@ class TraceParams:
     """L3's budget as a fraction of the slice's unique KV bytes (full precision); None: unbounded."""
     model: str | None = None
     tiny: TinyShape = field(default_factory=TinyShape)
-    policies: tuple[str, ...] = (KVSTRATA, PLAIN_LRU)
+    policies: tuple[str, ...] = (KVSTRATA, KVSTRATA_EXACT_L1, PLAIN_LRU)
 
     def __post_init__(self) -> None:
         check_positive(
@@ -46,7 +49,7 @@ class TraceParams:
             check_positive(l3_budget=self.l3_budget)
         if not 0.0 < self.l1_share < 1.0:
             raise ConfigError(f"--l1-share must lie strictly between 0 and 1, got {self.l1_share}")
-        unknown = set(self.policies) - {KVSTRATA, PLAIN_LRU}
+        unknown = set(self.policies) - {KVSTRATA, KVSTRATA_EXACT_L1, PLAIN_LRU}
         if unknown:
             raise ConfigError(f"unknown policies {sorted(unknown)}")
 

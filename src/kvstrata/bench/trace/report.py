@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench.common.measure import fmt_ms, mib
 from kvstrata.bench.common.result import BenchResult, BenchTable
-from kvstrata.bench.trace.params import TIERS, PolicyRun, TraceParams
+from kvstrata.bench.trace.params import PLAIN_LRU, TIERS, PolicyRun, TraceParams
 
 if TYPE_CHECKING:
     from kvstrata.integrations.transformers.model import LoadedModel
@@ -86,9 +86,10 @@ def result(
         + ", ".join(f"{r.policy}: {r.summary(bt)['late_requests']} late" for r in runs)
         + " (TTFT excludes the wait).",
     ]
+    hits.notes += _against_plain_lru(runs, bt)
     volumes = BenchTable(
         "Bytes per tier (MiB): peak during the replay / at the end; codecs at the end",
-        ["policy", "L1 peak", "L2 peak", "L3 end", "L2 by codec", "L3 by codec", "wall s"],
+        ["policy", "L1 peak", "L2 peak", "L3 end", "L1 by codec", "L2 by codec", "L3 by codec", "wall s"],
     )
     for r in runs:
         volumes.add_row(
@@ -96,6 +97,7 @@ def result(
             mib(r.peak_bytes["L1"]),
             mib(r.peak_bytes["L2"]),
             mib(r.final_bytes["L3"]),
+            " ".join(f"{k}:{mib(v)}" for k, v in sorted(r.bytes_by_codec.get("L1", {}).items())) or "-",
             " ".join(f"{k}:{mib(v)}" for k, v in sorted(r.bytes_by_codec.get("L2", {}).items())) or "-",
             " ".join(f"{k}:{mib(v)}" for k, v in sorted(r.bytes_by_codec.get("L3", {}).items())) or "-",
             f"{r.wall_s:.0f}",
@@ -133,6 +135,27 @@ def result(
         ax2.legend(fontsize=7)
 
     return BenchResult("trace", asdict(params), data, tables, plot)
+
+
+def _against_plain_lru(runs: list[PolicyRun], bt: int) -> list[str]:
+    """Issue 33's goal for the trace: kvstrata's TTFT P50 and P99 at most plain exact LRU's, its
+    memory hits and its smaller disk kept; one line per kvstrata policy."""
+    plain = next((r.summary(bt) for r in runs if r.policy == PLAIN_LRU), None)
+    if plain is None:
+        return []
+    lines = []
+    for r in runs:
+        if r.policy == PLAIN_LRU:
+            continue
+        s = r.summary(bt)
+        p50 = s["ttft_p50_ms"] / plain["ttft_p50_ms"] if plain["ttft_p50_ms"] else float("nan")
+        p99 = s["ttft_p99_ms"] / plain["ttft_p99_ms"] if plain["ttft_p99_ms"] else float("nan")
+        l3 = plain["final_bytes"]["L3"] / s["final_bytes"]["L3"] if s["final_bytes"]["L3"] else float("nan")
+        lines.append(
+            f"{r.policy} against {PLAIN_LRU}: TTFT P50 {p50:.2f}x, P99 {p99:.2f}x (goal <= 1.00x); memory "
+            f"hits {s['memory_hit_ratio']:.1%} against {plain['memory_hit_ratio']:.1%}; L3 {l3:.1f}x smaller"
+        )
+    return lines
 
 
 def _bounded_table(info: dict[str, Any], runs: list[PolicyRun]) -> BenchTable:

@@ -5,7 +5,10 @@ trace blocks become ``--block-tokens`` token ids, equal hash ids giving equal to
 through the :class:`~kvstrata.engine.Engine` twice, in one run, in the same memory budget:
 
 - **kvstrata**: the default policy (``cost`` eviction, the default codec ladder: these requests
-  are ``interactive``, int8 in L2 and L3);
+  are ``interactive``, int8s in device memory (encoded L1, attended where they lie), int8 in L2
+  and L3);
+- **kvstrata, exact L1**: the same with every class held exact in device memory (what kvstrata
+  did before issue 33);
 - **plain LRU**: ``eviction="lru"`` with an exact ladder (nothing compressed).
 
 Each request is stateless, as in the server: a throwaway session that reuses the namespace's
@@ -57,7 +60,7 @@ from kvstrata.bench.trace.mooncake import (
     load_trace,
     select,
 )
-from kvstrata.bench.trace.params import PLAIN_LRU, TIERS, PolicyRun, Replayed, TraceParams
+from kvstrata.bench.trace.params import KVSTRATA_EXACT_L1, PLAIN_LRU, TIERS, PolicyRun, Replayed, TraceParams
 from kvstrata.bench.trace.report import result
 from kvstrata.errors import ConfigError, KVStrataError
 
@@ -85,13 +88,17 @@ class Budgets:
 
 
 def store_config(policy: str, budgets: Budgets) -> Any:
-    """kvstrata's default policy, or plain LRU over exact blocks, in the same budgets."""
+    """kvstrata's default policy (with exact device memory for ``KVSTRATA_EXACT_L1``), or plain
+    LRU over exact blocks, in the same budgets."""
     from kvstrata import StoreConfig
+    from kvstrata.bench.agents.pool import exact_l1_ladder
     from kvstrata.policy.ladder import CodecLadder
 
     config = StoreConfig(l1_budget_bytes=budgets.l1, l2_budget_bytes=budgets.l2, l3_budget_bytes=budgets.l3)
     if policy == PLAIN_LRU:
         config = dataclasses.replace(config, eviction="lru", ladder=CodecLadder.exact())
+    elif policy == KVSTRATA_EXACT_L1:
+        config = dataclasses.replace(config, ladder=exact_l1_ladder())
     return config
 
 
@@ -317,7 +324,8 @@ def command(
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
 ) -> None:
-    """Replay Mooncake's conversation trace: kvstrata's default policy against plain LRU."""
+    """Replay Mooncake's conversation trace: kvstrata's default policy (encoded L1), the same with
+    exact L1, and plain LRU."""
     with one_line_errors():
         params = TraceParams(
             trace=trace,
