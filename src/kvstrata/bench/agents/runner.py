@@ -26,6 +26,9 @@ cached prefix, prefill the rest), without the queueing a real 1 req/s load would
 The sweep runs a single hot agent alone first (the unloaded reference), then each agent count of
 ``--agents``; it reports the largest count whose hot-class P99 TTFT stays within ``--p99-limit``
 (1.1x) of the unloaded P99.
+
+``--pool`` runs instead device memory holding each class in its codec against exact device
+memory, on the wall clock with the engine batching requests as they come (:mod:`.pool`).
 """
 
 from __future__ import annotations
