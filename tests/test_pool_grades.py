@@ -151,3 +151,20 @@ def test_grades_travel_with_the_session_manifest(open_store: Factory, tmp_path: 
     plain = Session("ns", "plain", b"test-model")
     assert "grades" not in json.loads(json.loads(plain.to_manifest())["body"])
     assert Session.from_manifest(plain.to_manifest(), 1).grades is None
+
+
+def test_a_truncated_session_keeps_the_grades_of_its_blocks(open_store: Factory, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    _graded(open_store, root)
+    store = open_store(root, FP32, **_config())
+    session = store.session("graded")
+    before = session.grades
+    assert before is not None
+    store.truncate(session, 5 * 64 + 10)  # five full blocks and a tail of ten tokens
+    # graded again over the five it keeps (the last of them now the recent window)
+    assert session.grades is not None and len(session.block_keys) == 5 and len(session.grades) == 1 + 5 * 5
+    assert session.grades[1 + 4 * 5] == 1 and before[1 + 4 * 5] != 1  # code 1: recent
+    store.checkpoint(session)
+    store.close()
+    again = open_store(root, FP32, **_config()).session("graded")
+    assert again.grades == session.grades and again.num_tokens == 5 * 64 + 10
