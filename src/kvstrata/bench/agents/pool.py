@@ -119,6 +119,7 @@ def run_wall(
     resident: list[int] = []
     lock = threading.Lock()
     done = threading.Event()
+    errors: list[BaseException] = []
     task = progress.add_task(f"{system}, {num_agents} agent(s)", total=len(events))
     with KVStore(root, layout, model_fingerprint=model.fingerprint, config=config) as store:
         engine = Engine(model, store, l1_resident_sessions=max(num_agents, 1), queue_limit=1024)
@@ -133,6 +134,12 @@ def run_wall(
                 resident.append(sum(1 for a in agents if in_l1(a)))
 
         def agent_loop(mine: list[Event], started: float) -> None:
+            try:
+                run_agent(mine, started)
+            except BaseException as exc:  # raised again once every agent has stopped
+                errors.append(exc)
+
+        def run_agent(mine: list[Event], started: float) -> None:
             history = [prompt]
             for event in mine:
                 delay = started + event.time_s - time.perf_counter()
@@ -173,6 +180,8 @@ def run_wall(
             wall = time.perf_counter() - started
             done.set()
             watcher.join()
+            if errors:
+                raise errors[0]
         finally:
             done.set()
             engine.close()
