@@ -50,6 +50,9 @@ from kvstrata.store.sessions import Session
 
 log = logging.getLogger(__name__)
 
+SIGNALS_KEPT = 4096
+"""Sessions whose request gap the engine remembers (the most recently served ones)."""
+
 
 class SessionJobs:
     def __init__(
@@ -84,7 +87,7 @@ class SessionJobs:
             self.computing = ComputingPrefixes(store.block_key_chain, store.blocks.contains, bt, reopen)
         self._devices = layer_devices(model.model)
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
-        self._last_request: dict[tuple[str, str], float] = {}
+        self._last_request: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._gaps: dict[tuple[str, str], float] = {}
 
     # -- open ------------------------------------------------------------------------------------
@@ -288,7 +291,10 @@ class SessionJobs:
 
     # -- per-session signals ---------------------------------------------------------------------
     def forget(self, session_id: str, namespace: str) -> None:
-        self._resident.pop((namespace, session_id), None)
+        key = (namespace, session_id)
+        self._resident.pop(key, None)
+        self._last_request.pop(key, None)
+        self._gaps.pop(key, None)
 
     def keep_resident(self, session: Session) -> None:
         """Mark ``session`` most recently served; demote sessions beyond the residency limit
@@ -318,8 +324,11 @@ class SessionJobs:
         system prompt (whose blocks are protected from demotion like the attention sinks)."""
         key = (session.namespace, session.id)
         now = time.monotonic()
-        last = self._last_request.get(key)
-        self._last_request[key] = now
+        last = self._last_request.pop(key, None)
+        self._last_request[key] = now  # the most recent last
+        while len(self._last_request) > SIGNALS_KEPT:  # the sessions not served for longest go
+            old, _ = self._last_request.popitem(last=False)
+            self._gaps.pop(old, None)
         if last is not None:
             gap = now - last
             previous = self._gaps.get(key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvstrata.errors import (
@@ -35,6 +36,10 @@ from kvstrata.store.sessions import Session, SessionInfo, validate_session_id
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "default"
+IDLE_KEPT = 256
+"""Sessions whose copy this process keeps between requests, the most recently used (a server
+meets thousands of sessions a day; one it dropped is read again from the index when next used).
+Sessions inside ``leased`` or with changes not checkpointed are always kept."""
 
 
 class SessionCatalog:
@@ -65,7 +70,7 @@ class SessionCatalog:
         self._age_out = age_out
         self._recent_blocks = recent_blocks
         self._location = location
-        self._sessions: dict[tuple[str, str], Session] = {}
+        self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
 
     # -- finding ---------------------------------------------------------------------------------
     def get(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Session:
@@ -82,6 +87,8 @@ class SessionCatalog:
         session = self._sessions.get((namespace, session_id))
         if session is not None and not self.fresh(session):
             session = None  # another process checkpointed (or deleted) it since: read it again
+        elif session is not None:
+            self._sessions.move_to_end((namespace, session_id))
         if session is None:
             row = self._table.get(namespace, session_id)
             session = Session.from_row(row) if row is not None else None
@@ -106,7 +113,7 @@ class SessionCatalog:
             if session is None:
                 self._sessions.pop((namespace, session_id), None)
                 return None
-            self._sessions[(namespace, session_id)] = session
+            self._keep(session)
         return session
 
     def _fetch_remote(self, namespace: str, session_id: str) -> Session | None:
@@ -202,12 +209,29 @@ class SessionCatalog:
             if existing is not None and exist_ok:
                 return existing
             raise SessionExistsError(f"session {namespace}/{session_id} already exists") from None
-        self._sessions[(namespace, session_id)] = session
+        self._keep(session)
         return session
 
     def adopt(self, session: Session) -> None:
         """A session made in this process (a fork) that is not committed yet."""
-        self._sessions[(session.namespace, session.id)] = session
+        self._keep(session)
+
+    def _keep(self, session: Session) -> None:
+        """Keep this process's copy of ``session`` (the most recently used), and drop the least
+        recently used idle copies past ``IDLE_KEPT``."""
+        key = (session.namespace, session.id)
+        self._sessions[key] = session
+        self._sessions.move_to_end(key)
+        if len(self._sessions) <= IDLE_KEPT:
+            return
+        depth = self._leases.depth if self._leases is not None else {}
+        for old in list(self._sessions):
+            if len(self._sessions) <= IDLE_KEPT:
+                break
+            copy = self._sessions[old]
+            dirty = copy.num_tokens != copy.checkpointed_tokens or copy.committed_version != copy.version
+            if old != key and old not in depth and not dirty:
+                del self._sessions[old]
 
     def commit(self, session: Session, required: Sequence[bytes] = ()) -> list[bytes]:
         """Commit the session's row by compare-and-set on the version this process last saw
@@ -256,6 +280,8 @@ class SessionCatalog:
     def claim(self, session: Session) -> None:
         """Hold ``session``'s lease (implicitly, for a change outside ``leased``)."""
         self.writable().claim(session.namespace, session.id)
+        if (session.namespace, session.id) not in self._sessions:
+            self._keep(session)  # a copy dropped while idle, changed again: this process's again
 
     def release(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Give the session's lease back. Changes not checkpointed are dropped from this process

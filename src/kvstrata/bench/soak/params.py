@@ -132,6 +132,9 @@ class Sample:
     page_cache_bytes: int
     """The store's files' pages resident in the page cache."""
     sessions: int
+    memory_tier_bytes: int = 0
+    """What L1 and L2 hold, slot slack included (``/metrics``): caches filling up to their
+    budgets grow RSS by this much, and that is no leak."""
 
 
 @dataclass(slots=True)

@@ -44,6 +44,8 @@ def summarize(
         found = within_slope([(s.segment, s.t_s, getattr(s, attr) / scale) for s in steady])
         return None if found is None else found * HOUR_S
 
+    beyond = within_slope([(s.segment, s.t_s, (s.rss_bytes - s.memory_tier_bytes) / 1e6) for s in steady])
+
     timed = [t for t in turns if t.kind in ("turn", "fork") and t.ok and t.ttft_s is not None]
     first = [t.ttft_s for t in timed if t.t_s < params.window_s]
     last = [t.ttft_s for t in timed if params.duration_s - params.window_s <= t.t_s < params.duration_s]
@@ -66,6 +68,10 @@ def summarize(
         "checks": verdicts,
         "wrong": [c.detail for c in checks if c.verdict == "wrong"][:20],
         "rss_mb_per_hour": slope("rss_bytes", 1e6),
+        "rss_beyond_caches_mb_per_hour": None if beyond is None else beyond * HOUR_S,
+        "memory_tiers_mb_per_hour": slope("memory_tier_bytes", 1e6),
+        "max_memory_tier_bytes": max((s.memory_tier_bytes for s in samples), default=0),
+        "memory_tier_budget_bytes": params.l1_budget_bytes + params.l2_budget_bytes,
         "open_files_per_hour": slope("open_files"),
         "threads_per_hour": slope("threads"),
         "data_mb_per_hour": slope("data_bytes", 1e6),
@@ -106,6 +112,20 @@ def tables(summary: dict[str, Any]) -> list[BenchTable]:
         f"{fmt(rss, '+.2f')} MB/h",
         "<= 1 MB/h",
         _verdict(rss, TARGETS["rss_mb_per_hour"]),
+    )
+    beyond, tiers = summary.get("rss_beyond_caches_mb_per_hour"), summary.get("memory_tiers_mb_per_hour")
+    t.add_row(
+        "of it: L1+L2 filling; the rest",
+        f"{fmt(tiers, '+.2f')} MB/h; {fmt(beyond, '+.2f')} MB/h",
+        "the rest <= 1 MB/h",
+        _verdict(beyond, TARGETS["rss_mb_per_hour"]),
+    )
+    filled = summary.get("max_memory_tier_bytes", 0)
+    t.add_row(
+        "L1+L2 contents (max, of their budgets)",
+        f"{filled / 1e6:.1f} MB of {summary.get('memory_tier_budget_bytes', 0) / 1e6:.1f} MB",
+        "-",
+        "-",
     )
     for name, label in (("open_files", "open files"), ("threads", "threads")):
         slope, span = summary[f"{name}_per_hour"], summary[f"{name}_range"]

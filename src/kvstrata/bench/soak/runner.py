@@ -72,6 +72,12 @@ def command(
     warmup: Annotated[float, typer.Option(help="Minutes after each start left out of the slopes.")] = 10.0,
     window: Annotated[float, typer.Option(help="Minutes of the first and last TTFT windows.")] = 30.0,
     l3_budget_mib: Annotated[float, typer.Option("--l3-budget-mib", help="L3 budget of the server.")] = 512.0,
+    l1_budget_mib: Annotated[
+        float, typer.Option("--l1-budget-mib", help="L1 budget of the server (small: warm-up fills it).")
+    ] = 64.0,
+    l2_budget_mib: Annotated[
+        float, typer.Option("--l2-budget-mib", help="L2 budget of the server (small: warm-up fills it).")
+    ] = 128.0,
     ttl: Annotated[float, typer.Option(help="Seconds of TTL of the background sessions.")] = 120.0,
     max_turns: Annotated[int, typer.Option(help="Turns of a conversation before a new session.")] = 12,
     workdir_path: WorkdirOption = None,
@@ -93,6 +99,8 @@ def command(
             warmup_s=warmup * 60,
             window_s=window * 60,
             l3_budget_bytes=int(l3_budget_mib * 2**20),
+            l1_budget_bytes=int(l1_budget_mib * 2**20),
+            l2_budget_bytes=int(l2_budget_mib * 2**20),
             ttl_s=ttl,
             max_turns=max_turns,
             model=model,
@@ -239,11 +247,19 @@ class _Soak:
             l3_fragmentation_bytes=int(metrics.get(("kvstrata_tier_fragmentation_bytes", "L3"), 0)),
             page_cache_bytes=cached,
             sessions=int(metrics.get(("kvstrata_sessions", ""), 0)),
+            memory_tier_bytes=int(
+                sum(
+                    metrics.get((name, tier), 0)
+                    for name in ("kvstrata_tier_bytes", "kvstrata_tier_fragmentation_bytes")
+                    for tier in ("L1", "L2")
+                )
+            ),
         )
         self.samples.append(sample)
         if self.progress:
             print(
-                f"soak {sample.t_s / 60:6.1f} min: rss {sample.rss_bytes / 2**20:.1f} MiB, "
+                f"soak {sample.t_s / 60:6.1f} min: rss {sample.rss_bytes / 2**20:.1f} MiB "
+                f"(L1+L2 {sample.memory_tier_bytes / 2**20:.1f}), "
                 f"{sample.open_files} files, {sample.threads} threads, "
                 f"data {sample.data_bytes / 2**20:.1f} MiB (L3 live "
                 f"{sample.l3_live_bytes / 2**20:.1f}), index {sample.index_bytes / 2**20:.1f} MiB, "

@@ -13,6 +13,10 @@ from collections.abc import Sequence
 from kvstrata.keys import BlockKey
 from kvstrata.store.index.block_rows import BlockTable, Placement
 
+KEPT = 1 << 17
+"""Placements a process keeps (about 100 bytes each); past this, the oldest go (a long-running
+server reads millions of blocks over weeks; one it dropped is asked of the index again)."""
+
 
 class PlacementCache:
     def __init__(self, blocks: BlockTable) -> None:
@@ -25,7 +29,7 @@ class PlacementCache:
         if placement is None:
             placement = self._blocks.placement(key)
             if placement is not None:
-                self._seen[key] = placement
+                self._put(key, placement)
         return placement
 
     def many(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Placement]:
@@ -33,6 +37,7 @@ class PlacementCache:
         unknown = [k for k in keys if k not in self._seen]
         if unknown:
             self._seen.update(self._blocks.placements_of(unknown))
+            self._trim()
         return {k: p for k in keys if (p := self._seen.get(k)) is not None}
 
     def refresh(self, key: BlockKey) -> Placement | None:
@@ -42,7 +47,19 @@ class PlacementCache:
 
     def remember(self, key: BlockKey, placement: Placement) -> None:
         """Where ``key`` now is (a row this process just committed)."""
-        self._seen[key] = placement
+        self._put(key, placement)
 
     def forget(self, key: BlockKey) -> None:
         self._seen.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _put(self, key: BlockKey, placement: Placement) -> None:
+        self._seen.pop(key, None)  # to the end: the oldest go first
+        self._seen[key] = placement
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._seen) > KEPT:  # a dict keeps insertion order: the first is the oldest
+            del self._seen[next(iter(self._seen))]

@@ -1,0 +1,55 @@
+"""What a long-running process keeps per session or per block stays bounded (issue 32's soak: RSS
+after warm-up): counted, not timed. A server meets thousands of sessions and millions of blocks
+over weeks; each part that remembers one keeps at most a fixed number, and what it dropped is
+read again from the index when next needed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvstrata import KVStore
+from kvstrata.store import catalog
+from kvstrata.store.tiers.disk import cache
+
+from conftest import LAYOUT, token_kv
+
+Factory = Callable[..., KVStore]
+
+
+def _turn(store: KVStore, sid: str, tokens: list[int]) -> None:
+    with store.leased(sid):
+        session = store.create_session(sid, exist_ok=True)
+        store.append(session, tokens, token_kv(LAYOUT, tokens))
+        store.checkpoint(session)
+
+
+def test_the_copies_of_sessions_kept_between_requests_are_bounded(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(catalog, "IDLE_KEPT", 8)
+    store = open_store()
+    dirty = store.create_session("dirty")
+    store.append(dirty, [1, 2, 3], token_kv(LAYOUT, [1, 2, 3]))  # not checkpointed: always kept
+    for i in range(50):
+        _turn(store, f"s{i}", [1000 * i + t for t in range(6)])
+    kept = {s.id for s in store.sessions.live()}
+    assert len(kept) == 8 and "dirty" in kept and "s49" in kept  # before: 51
+    first = [t for t in range(6)]
+    loaded = store.load(store.session("s0"))  # dropped: read again from the index
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, first))  # type: ignore[arg-type]
+    store.checkpoint(dirty)
+
+
+def test_the_placements_a_process_remembers_are_bounded(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache, "KEPT", 16)
+    store = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    for i in range(10):
+        _turn(store, f"s{i}", [1000 * i + t for t in range(4 * LAYOUT.block_tokens)])  # 4 blocks each
+    assert len(store.disk.cache) == 16  # type: ignore[union-attr]  # before: 40
+    loaded = store.load(store.session("s0"))  # its placements were dropped: asked of the index
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, list(range(4 * LAYOUT.block_tokens))))  # type: ignore[arg-type]
