@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvstrata import KVStore
-from kvstrata.store import catalog
+from kvstrata.keys import BlockKey
+from kvstrata.store import block_stats, catalog
 from kvstrata.store.tiers.disk import cache
 
 from conftest import LAYOUT, token_kv
@@ -52,4 +53,18 @@ def test_the_placements_a_process_remembers_are_bounded(
         _turn(store, f"s{i}", [1000 * i + t for t in range(4 * LAYOUT.block_tokens)])  # 4 blocks each
     assert len(store.disk.cache) == 16  # type: ignore[union-attr]  # before: 40
     loaded = store.load(store.session("s0"))  # its placements were dropped: asked of the index
+    assert torch.equal(loaded.kv, token_kv(LAYOUT, list(range(4 * LAYOUT.block_tokens))))  # type: ignore[arg-type]
+
+
+def test_the_block_statistics_a_process_keeps_are_bounded(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(block_stats, "KEPT", 16)
+    store = open_store()
+    table = store.tiered.stats
+    with table.hold([BlockKey(b"h" * 32)]):  # a block a reader holds is never dropped
+        for i in range(10):
+            _turn(store, f"s{i}", [1000 * i + t for t in range(4 * LAYOUT.block_tokens)])  # 4 blocks each
+        assert len(table) <= 16 and table.get(BlockKey(b"h" * 32)) is not None  # before: 41
+    loaded = store.load(store.session("s0"))
     assert torch.equal(loaded.kv, token_kv(LAYOUT, list(range(4 * LAYOUT.block_tokens))))  # type: ignore[arg-type]

@@ -25,6 +25,12 @@ from kvstrata.policy import BlockStats
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store.block import KVBlock
 
+KEPT = 1 << 17
+"""Blocks whose statistics a process keeps (a few hundred bytes each): past this, the oldest that
+no reader holds go. Far more than memory tiers hold (a SmolLM2 block is 368 KiB: 1.25 GiB of L1
+and L2 hold about 3,500); a long-running server meets millions of blocks, most of them long gone
+from memory, and without a bound it kept statistics for every one."""
+
 
 class BlockStatsTable:
     def __init__(self) -> None:
@@ -33,6 +39,9 @@ class BlockStatsTable:
 
     def get(self, key: BlockKey) -> BlockStats | None:
         return self._stats.get(key)
+
+    def __len__(self) -> int:
+        return len(self._stats)
 
     def ensure(self, key: BlockKey, num_tokens: int = 0, when: float | None = None) -> BlockStats:
         with self._lock:
@@ -47,7 +56,22 @@ class BlockStatsTable:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic() if when is None else when)
+            if len(self._stats) > KEPT:
+                self._trim(key)
         return stats
+
+    def _trim(self, keep: BlockKey) -> None:
+        """Drop the oldest statistics no reader holds, down to 15/16 of ``KEPT`` (a dict keeps
+        insertion order: the first are the oldest)."""
+        excess = len(self._stats) - (KEPT - KEPT // 16)
+        victims = []
+        for key, stats in self._stats.items():
+            if len(victims) >= excess:
+                break
+            if stats.ref_count == 0 and key != keep:
+                victims.append(key)
+        for key in victims:
+            del self._stats[key]
 
     def touch(
         self, key: BlockKey, num_tokens: int, priority: Priority | None = None, start_pos: int | None = None
