@@ -43,6 +43,7 @@ from kvstrata.bench.agents.workload import (
 )
 from kvstrata.bench.common.measure import fmt_ms, mib
 from kvstrata.bench.common.result import BenchResult, BenchTable
+from kvstrata.bench.pool.natives import load_natives
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -200,6 +201,7 @@ def run_pool(
     """Per agent count: (encoded L1, exact L1, the hot agents alone with encoded L1)."""
     from kvstrata.policy.ladder import CodecLadder
 
+    load_natives()  # no request timed on a torch path while a native helper loads
     kinds = [(ENCODED, CodecLadder(), False), (EXACT, exact_l1_ladder(), False), (ALONE, CodecLadder(), True)]
     out = []
     for n in sorted(set(params.agents)):

@@ -35,6 +35,7 @@ from kvstrata.bench.common.measure import check_positive, fmt_ms, fmt_x, median,
 from kvstrata.bench.common.models import TinyShape, load_bench_model
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.common.stores import workdir
+from kvstrata.bench.pool.natives import load_natives
 from kvstrata.bench.pool.rows import ENCODED, EXACT, build_row, context_kv, crop, held_bytes
 
 SUITE = "pool"
@@ -91,7 +92,8 @@ def run(
     with workdir(None, "kvstrata-bench-pool-") as work, progress_bar(progress) as bar:
         task = bar.add_task("pool: loading", total=len(dtypes) * (2 + repeats))
         loaded = load_bench_model(model, workdir=work, tiny=TinyShape(hidden=256, heads=4, kv_heads=2))
-        kernel = decode_kernel.load(timeout=600)
+        natives = load_natives()  # timed on the native paths, never during a build
+        kernel = decode_kernel.loaded()
         for dtype in dtypes:
             bar.update(task, description=f"pool: prefilling {context} tokens ({dtype})")
             net = loaded.model.to(getattr(torch, dtype))
@@ -109,6 +111,7 @@ def run(
             bar.advance(task)
     params = {"model": str(model or "SmolLM2"), "context": context, "prompt": prompt, "repeats": repeats}
     params["kernel"] = "loaded" if kernel is not None else decode_kernel.status()
+    params["natives"] = natives
     return BenchResult(SUITE, params, data, _tables(data, params))
 
 
@@ -175,7 +178,8 @@ def _tables(data: dict[str, Any], params: dict[str, Any]) -> list[BenchTable]:
                     verdict(ratio, target, at_most=True) if target and ratio is not None else "",
                     f"{size / 1e6:.1f}" if size is not None else "",
                 )
+    natives = ", ".join(f"{k}: {v}" for k, v in params.get("natives", {}).items())
     table.notes.append(
-        f"decode kernel: {params['kernel']}; the machine's load is not controlled: re-run quietly"
+        f"decode kernel: {params['kernel']} ({natives}); the machine's load is not controlled: re-run quietly"
     )
     return [table]

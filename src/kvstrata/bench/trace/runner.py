@@ -50,6 +50,7 @@ from kvstrata.bench.common.command import (
 from kvstrata.bench.common.models import load_bench_model
 from kvstrata.bench.common.result import BenchResult
 from kvstrata.bench.common.stores import tier_bytes, workdir
+from kvstrata.bench.pool.natives import load_natives
 from kvstrata.bench.trace.mooncake import (
     TRACE_BLOCK_TOKENS,
     TokenMap,
@@ -262,6 +263,7 @@ def run(
         l1 = int(memory * params.l1_share)
         l3 = max(1, int(unique_bytes * params.l3_budget)) if params.l3_budget is not None else None
         budgets = Budgets(l1, memory - l1, l3)
+        load_natives()  # no request timed on a torch path while a native helper loads
         runs = []
         with progress_bar(show_progress) as progress:
             for n, policy in enumerate(params.policies):
