@@ -3,7 +3,8 @@
 Eight requests share a 205-token prefix and each has a suffix of its own; they are submitted at
 the same moment, so none of the prefix is in the store when they open. One of them computes it;
 the others wait for its blocks and load them (25 full blocks), take the KV of the shared prefix's
-last 5 tokens from its row, and compute only their suffix. The work is counted in the prompt
+last 5 tokens from its row (copied when they are reopened, so however late their open runs), and
+compute only their suffix. The work is counted in the prompt
 tokens the batch's steps computed (their prefill chunks), not in times. A computing request that
 is cancelled leaves its waiters to compute the rest themselves; a waiter cancelled while it waits
 ends at once; a realtime request never waits behind an interactive one's prefill.
@@ -21,6 +22,8 @@ from kvstrata import KVStore, StoreConfig
 from kvstrata.engine import Engine, GenerationRequest, Response, SamplingParams, StepReport
 from kvstrata.engine.batch import StepBudget
 from kvstrata.engine.budget import batch_budget
+from kvstrata.engine.engine import _COMMIT_RANK
+from kvstrata.engine.inflight import InFlight
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
 from kvstrata.policy.ladder import CodecLadder
 
@@ -40,23 +43,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 def prompt(agent: int) -> list[int]:
     return SHARED + [(agent * 31 + j * 7) % 150 + 3 for j in range(SUFFIX)]
-
-
-FULL = len(SHARED) // BLOCK_TOKENS * BLOCK_TOKENS  # 200: the shared prefix's full blocks
-
-
-def loaded_the_prefix(cached: int) -> bool:
-    """A waiter's cached tokens: the 25 full blocks from the store, and the 5 tokens past them
-    taken from the computing row when it could be read at that moment (a read that races the step
-    thread's appends gives them up and computes those 5 itself: ``SessionJobs._borrow``)."""
-    return cached in (FULL, len(SHARED))
-
-
-def computed_once(run: Engines, responses: list[Response], suffixes: int) -> bool:
-    """The prefix's full blocks computed once: the steps computed the shared prefix, the suffixes,
-    and only the partial block's tokens that a waiter could not take from the row."""
-    extra = sum(len(SHARED) - r.cached_tokens for r in responses if r.cached_tokens >= FULL)
-    return run.computed == len(SHARED) + suffixes * SUFFIX + extra
 
 
 def request(agent: int, priority: str = "interactive") -> GenerationRequest:
@@ -142,9 +128,8 @@ def test_a_cancelled_computing_request_leaves_its_waiters_to_compute_the_rest(
     assert [r.finish_reason for r in others] == ["length"] * (AGENTS - 1)
     # one of the waiters computed the rest of the prefix (from the cancelled one's saved chunk
     # on), the others loaded it: the prefix was computed once in all
-    cached = sorted(r.cached_tokens for r in others)
-    assert cached[0] == CHUNK and all(loaded_the_prefix(c) for c in cached[1:])
-    assert computed_once(run, others, AGENTS - 1)
+    assert sorted(r.cached_tokens for r in others) == [CHUNK] + [len(SHARED)] * (AGENTS - 2)
+    assert run.computed == len(SHARED) + (AGENTS - 1) * SUFFIX
 
 
 def test_a_waiter_cancelled_while_it_waits_ends_and_the_others_go_on(
@@ -170,9 +155,8 @@ def test_a_waiter_cancelled_while_it_waits_ends_and_the_others_go_on(
     waiter = responses.pop(3)
     assert waiter.finish_reason == "cancelled" and waiter.token_ids == []
     assert [r.finish_reason for r in responses] == ["length"] * (AGENTS - 1)
-    cached = sorted(r.cached_tokens for r in responses)
-    assert cached[0] == 0 and all(loaded_the_prefix(c) for c in cached[1:])
-    assert computed_once(run, responses, AGENTS - 1)
+    assert sorted(r.cached_tokens for r in responses) == [0] + [len(SHARED)] * (AGENTS - 2)
+    assert run.computed == len(SHARED) + (AGENTS - 1) * SUFFIX
 
 
 def test_a_realtime_request_does_not_wait_for_an_interactive_prefill(
@@ -198,5 +182,41 @@ def test_a_realtime_request_does_not_wait_for_an_interactive_prefill(
         run.close()
     assert interactive.cached_tokens == 0
     assert realtime.cached_tokens == 0  # nothing of the prefix was stored yet: it computed it all
-    assert loaded_the_prefix(background.cached_tokens)  # it waited for agent 0's blocks
-    assert run.computed == 2 * len(SHARED) + 3 * SUFFIX + len(SHARED) - background.cached_tokens
+    assert background.cached_tokens == len(SHARED)  # it waited for agent 0's blocks
+    assert run.computed == 2 * len(SHARED) + 3 * SUFFIX
+
+
+def test_a_waiter_opened_after_the_computing_request_committed_gets_the_whole_prefix(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """The waiter's open runs only after the computing request finished and committed (its row
+    freed): it still takes the 5 tokens past the full blocks, lent when its blocks were saved."""
+    run = Engines(tiny, tmp_path / "store", share=True)
+    committed = threading.Event()
+    held: list[InFlight] = []
+    try:
+
+        def hold_the_waiters_open(report: StepReport) -> None:
+            running = run.engine._inflight.values()
+            owner = next((i for i in running if i.request.session_id == "agent-0"), None)
+            if owner is None:
+                return
+            if (owner.saving or owner.saved) and not held:  # it posted the checkpoint that reopens the waiter
+                held.append(owner)  # the store worker waits after that checkpoint until it finished:
+                run.engine._worker.submit(_COMMIT_RANK, lambda: committed.wait(TIMEOUT))
+            if len(owner.decoder.token_ids) == 6:  # it left the batch: its commit goes before the
+                committed.set()  # background waiter's open
+
+        run.engine.add_step_listener(hold_the_waiters_open)
+        with run.engine.store_lock:
+            first = run.engine.submit(request(0))
+            waiter = run.engine.submit(request(2, "background"))
+        owner = first.result(timeout=TIMEOUT)
+        background = waiter.result(timeout=TIMEOUT)
+    finally:
+        committed.set()
+        run.close()
+    assert held, "the waiter never waited for the computing request's blocks"
+    assert owner.cached_tokens == 0
+    assert background.cached_tokens == len(SHARED)
+    assert run.computed == len(SHARED) + 2 * SUFFIX

@@ -8,13 +8,17 @@ when its row is about to be opened, waits for it instead: its open is put off un
 request has saved those blocks (its incremental checkpoints append them as soon as they are
 computed while someone waits: :meth:`SessionJobs.due <kvstrata.engine.session_jobs.SessionJobs.due>`),
 and then it loads them from the store like any stored prefix, takes the KV of the shared tokens
-past the last full block from the running request's row (a system prompt rarely ends on a block
-boundary; no stored block can give them) and computes only the rest. A request that ends
-(finished, cancelled or failed) releases what it registered, and its waiters look again
-(computing themselves what nobody computes any more). A request never waits for one of a less
-demanding class (the step scheduler may put that one's prefill after its own). Requests share
-only within a namespace (the keys are chained from the namespace's root) and only exact KV (no
-pruned or encoded rows).
+past the last full block that the running request's row computed (a system prompt rarely ends on
+a block boundary; no stored block can give them) and computes only the rest. Those tokens are
+copied out of the row when the waiter is reopened (:meth:`ComputingPrefixes.lendable`), from
+positions the step thread writes no more, so a waiter gets them whatever the threads' timing;
+while that request has not computed them yet (another request stored the shared blocks first),
+the waiter waits for it again.
+A request that ends (finished, cancelled or failed) releases what it registered, and its waiters
+look again (computing themselves what nobody computes any more). A request never waits for one
+of a less demanding class (the step scheduler may put that one's prefill after its own).
+Requests share only within a namespace (the keys are chained from the namespace's root) and only
+exact KV (no pruned or encoded rows).
 
 Runs on the engine's store worker only (opens, checkpoints and commits all do), so it needs no
 lock of its own.
@@ -26,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.engine.inflight import InFlight
+from kvstrata.engine.prefix import common_prefix
 from kvstrata.keys import BlockKey
 from kvstrata.priority import Priority
 
@@ -63,19 +68,44 @@ class ComputingPrefixes:
         does not hold, when ``inflight`` should wait for it; None when it computes that block
         itself: nobody computes it, or only a request of a less demanding class (a realtime
         request never waits behind an interactive one's prefill, which the step scheduler may
-        put after its own)."""
-        if not self._owner or not inflight.request.use_cache:
+        put after its own). Past the blocks the store holds, the request ``inflight`` waited for
+        before is waited for again while it computes more of ``inflight``'s prompt than it lent
+        so far (:meth:`_tail`)."""
+        if not self._by_request or not inflight.request.use_cache:
             return None
         rank = Priority(inflight.request.priority).rank
         usable = inflight.prompt_ids[: len(inflight.prompt_ids) - 1]  # the last token is computed
+        held = 0
         for key in self.key_chain(inflight.request.namespace, usable):
             if self.holds(key):
+                held += 1
                 continue
             owner = self._owner.get(key)
-            if owner is None or owner is inflight or Priority(owner.request.priority).rank > rank:
+            if owner is None:
+                break
+            if owner is inflight or Priority(owner.request.priority).rank > rank:
                 return None
             return owner
-        return None
+        return self._tail(inflight, held * self.block_tokens, rank)
+
+    def _tail(self, inflight: InFlight, start: int, rank: int) -> InFlight | None:
+        """The request ``inflight`` waited for, when it is still running and computes tokens of
+        ``inflight``'s prompt past the ``start`` tokens the store holds that it has not lent yet
+        (a block's part past the shared full blocks, when another request stored those blocks
+        first): ``inflight`` is lent them at that request's next checkpoint or its end rather
+        than compute them. None otherwise."""
+        owner = inflight.waited_on
+        if owner is None or owner.closed or owner.request_id not in self._by_request or not _lends(owner):
+            return None
+        if Priority(owner.request.priority).rank > rank:
+            return None
+        shared = common_prefix(inflight.prompt_ids[: len(inflight.prompt_ids) - 1], owner.prompt_ids)
+        lent = start
+        if inflight.lent is not None:
+            begin, kv = inflight.lent
+            if begin <= start < begin + kv.shape[3]:
+                lent = begin + kv.shape[3]
+        return owner if lent < shared else None
 
     def wait(self, inflight: InFlight, owner: InFlight) -> None:
         """``inflight`` waits for ``owner``'s blocks; ``owner`` saves them as soon as it computes them."""
@@ -108,8 +138,6 @@ class ComputingPrefixes:
         self._release(inflight, done)
         waiters, computing.waiters = computing.waiters, []
         inflight.awaited = False  # until a waiter that still needs a block waits again
-        if not computing.blocks:
-            del self._by_request[inflight.request_id]
         for waiter in waiters:
             self.reopen(waiter)
 
@@ -122,30 +150,34 @@ class ComputingPrefixes:
         for waiter in computing.waiters:
             self.reopen(waiter)
 
-    @staticmethod
-    def borrowable(inflight: InFlight, start: int) -> tuple[InFlight, int] | None:
-        """The row of the request ``inflight`` waited for, and the position up to which it holds
-        the KV of ``inflight``'s own prompt tokens from ``start`` on (the part of a block that no
-        stored block can give: a shared system prompt rarely ends on a block boundary); None when
-        there is nothing to take. Positions are its cache slots: such a row has no pruned prefix."""
-        owner = inflight.waited_on
-        if owner is None or owner.closed or owner.row is None or owner.prefix is None:
+    def lendable(self, waiter: InFlight) -> tuple[InFlight, int, int] | None:
+        """The row of the request ``waiter`` waited for, and the positions ``begin:end`` of
+        ``waiter``'s own prompt tokens past the full blocks the store gives it that this row
+        computed (the part of a block that no stored block can give: a shared system prompt
+        rarely ends on a block boundary); None when there is nothing to take. Positions are its
+        cache slots: such a row has no pruned prefix. Asked while the store worker reopens
+        ``waiter``: the row's positions before ``published`` are never written again, so they are
+        read while the batch decodes on, as an incremental checkpoint reads them."""
+        owner = waiter.waited_on
+        if owner is None or owner.row is None or owner.failure is not None or not _lends(owner):
             return None
-        if owner.prefix.kept_blocks is not None or owner.session is None or owner.session.pruned:
-            return None
-        if owner.row.cache.pages is not None:
-            return None  # its slots are not positions: blocks held encoded come first
-        # the tokens every layer holds: a step running now appends layer by layer (and the
-        # step thread only ever appends past what the layers hold between steps)
-        computed = min(layer.get_seq_length() for layer in owner.row.cache.layers)
-        mine, theirs = inflight.prompt_ids, owner.prompt_ids
-        end = min(computed, len(mine) - 1, len(theirs))  # leave one prompt token to compute
-        stop = start
-        while stop < end and mine[stop] == theirs[stop]:
-            stop += 1
-        return (owner, stop) if stop > start else None
+        mine, theirs = waiter.prompt_ids, owner.prompt_ids
+        end = min(owner.published, len(mine) - 1, len(theirs))  # leave one prompt token to compute
+        shared = common_prefix(mine[:end], theirs[:end])
+        begin = shared // self.block_tokens * self.block_tokens  # the owner saved the blocks before
+        return (owner, begin, shared) if shared > begin else None
 
     def _release(self, inflight: InFlight, keys: list[BlockKey]) -> None:
         for key in keys:
             if self._owner.get(key) is inflight:
                 del self._owner[key]
+
+
+def _lends(owner: InFlight) -> bool:
+    """Whether ``owner``'s row holds exact KV at its positions' slots (no pruned prefix, no blocks
+    held encoded, which come first), so that a waiter can take a part of it."""
+    if owner.prefix is None or owner.prefix.kept_blocks is not None:
+        return False
+    if owner.session is None or owner.session.pruned:
+        return False
+    return owner.row is None or owner.row.cache.pages is None

@@ -86,8 +86,15 @@ class InFlight:
     computed (:mod:`kvstrata.engine.computing`)."""
     waited_on: InFlight | None = None
     """The running request this one waited for (it may take that row's KV past the blocks saved)."""
+    lent: tuple[int, torch.Tensor] | None = None
+    """(first position, KV) of its own prompt tokens that ``waited_on``'s row computed past the
+    full blocks the store gives: copied by the store worker when it reopened this request
+    (:meth:`SessionJobs._lend <kvstrata.engine.session_jobs.SessionJobs._lend>`), taken by its open."""
     borrowed: int = 0
     """Prompt tokens whose KV its row took from ``waited_on``'s row, past its prefix (not prefilled)."""
+    published: int = 0
+    """Its row's length when the step thread last handed it to the store worker (an incremental
+    checkpoint, or its end): the step thread never writes the row's positions before it again."""
 
     # the step thread
     admitted_at: float | None = None

@@ -39,7 +39,7 @@ from kvstrata.engine.computing import ComputingPrefixes
 from kvstrata.engine.inflight import InFlight
 from kvstrata.engine.prefix import Prefix, PrefixLoader, common_prefix
 from kvstrata.engine.requests import GenerationRequest, Response
-from kvstrata.errors import ConfigError, KVStrataError
+from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 from kvstrata.integrations.transformers.model import LoadedModel
 from kvstrata.keys import LINEAGE_BYTES
@@ -82,9 +82,10 @@ class SessionJobs:
         self.memory_modes = memory_modes
         self.prefixes = PrefixLoader(store, spare_buffers=spare_buffers)
         self.computing = None
+        self._reopen = reopen
         if reopen is not None:
             bt = store.layout.block_tokens
-            self.computing = ComputingPrefixes(store.block_key_chain, store.blocks.contains, bt, reopen)
+            self.computing = ComputingPrefixes(store.block_key_chain, store.blocks.contains, bt, self._lend)
         self._devices = layer_devices(model.model)
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._last_request: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -92,8 +93,11 @@ class SessionJobs:
 
     # -- open ------------------------------------------------------------------------------------
     def ended(self, inflight: InFlight) -> None:
-        """The request left the batch: what it registered as computing is released."""
+        """The request left the batch: what it registered as computing is released (its waiters
+        are lent what its row computed, which the step thread writes no more)."""
         if self.computing is not None:
+            if inflight.row is not None:
+                inflight.published = inflight.row.length
             self.computing.ended(inflight)
 
     def wait_for_prefix(self, inflight: InFlight) -> bool:
@@ -139,32 +143,47 @@ class SessionJobs:
                     devices=self._devices,
                     extra_tokens=total_new,
                 )
-            borrowed = self._borrow(inflight, cache, start) if prefix.kept_blocks is None else 0
+            lent, inflight.lent = inflight.lent, None
+            borrowed = self._borrow(lent, cache, start) if prefix.kept_blocks is None else 0
         inflight.session, inflight.prefix, inflight.prefill = session, prefix, prompt_ids[start + borrowed :]
         inflight.borrowed = borrowed
         inflight.row = BatchRow(cache, position_offset=start - slots, track_attention=self.track_importance)
         if self.computing is not None:
             self.computing.register(inflight)
 
-    def _borrow(self, inflight: InFlight, cache: KVStrataCache, start: int) -> int:
-        """Put into ``cache`` the KV of the request's prompt tokens from ``start`` on that the row
-        it waited for computed already (past the full blocks the store gave); how many."""
-        if self.computing is None or not inflight.request.use_cache:
+    def _lend(self, waiter: InFlight) -> None:
+        """Reopen ``waiter`` (its blocks are saved, or their computing request ended), lending it
+        a copy of the KV of its prompt tokens past those blocks that the row it waited for
+        computed (:meth:`ComputingPrefixes.lendable`). Copied now, on the store worker, from
+        positions the step thread writes no more: the waiter gets them however late its open
+        runs, even after that request committed and freed its row."""
+        assert self.computing is not None and self._reopen is not None
+        waiter.lent = None
+        try:
+            found = self.computing.lendable(waiter)
+            if found is not None:
+                owner, begin, end = found
+                assert owner.row is not None
+                with torch.inference_mode():
+                    waiter.lent = (begin, owner.row.cache.new_kv(begin, end))
+        except Exception:  # a bug here must neither fail the lender's checkpoint nor strand the waiter
+            log.exception("lending KV to %s failed: it computes those tokens itself", waiter.request_id)
+        self._reopen(waiter)
+
+    @staticmethod
+    def _borrow(lent: tuple[int, torch.Tensor] | None, cache: KVStrataCache, start: int) -> int:
+        """Put into ``cache`` the KV of the request's prompt tokens from ``start`` on that it was
+        ``lent`` (:meth:`_lend`); how many."""
+        if lent is None:
             return 0
-        found = self.computing.borrowable(inflight, start)
-        if found is None:
-            return 0
-        owner, stop = found
-        assert owner.row is not None
-        try:  # the step thread may be appending to that row: only what every layer held is read
-            kv = owner.row.cache.new_kv(start, stop)
-        except (KVStrataError, RuntimeError, IndexError):
-            return 0  # it changed under the read (it ended, or a layer's view was being replaced)
-        if kv.shape[3] != stop - start:
-            return 0
+        begin, kv = lent
+        end = begin + kv.shape[3]
+        if not begin <= start < end:
+            return 0  # the store gave it other blocks than those the lender saved
+        kv = kv[:, :, :, start - begin :]
         for layer in range(kv.shape[1]):
             cache.update(kv[0, layer].unsqueeze(0), kv[1, layer].unsqueeze(0), layer)
-        return stop - start
+        return end - start
 
     # -- commit ----------------------------------------------------------------------------------
     def due(self, inflight: InFlight) -> int | None:
@@ -193,6 +212,7 @@ class SessionJobs:
             upto = self.due(inflight)
             if upto is not None:
                 inflight.saving = True
+                inflight.published = inflight.row.length  # type: ignore[union-attr]  # due() saw it
                 due.append((inflight, upto, inflight.computed_ids(inflight.saved, upto)))
         return due
 
