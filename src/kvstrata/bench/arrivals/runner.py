@@ -24,12 +24,14 @@ from kvstrata.bench.common.command import (
     JsonOutOption,
     ModelOption,
     PlotOption,
+    TrialsOption,
     one_line_errors,
     progress_bar,
     show,
 )
 from kvstrata.bench.common.measure import check_positive, fmt_ms, fmt_x, median, rotate, verdict
 from kvstrata.bench.common.models import load_bench_model
+from kvstrata.bench.common.plots import trials_and_medians
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.common.stores import open_store, workdir
 
@@ -41,7 +43,7 @@ TTFT_TARGET = 0.5
 
 def command(
     model: ModelOption = None,
-    trials: Annotated[int, typer.Option(help="Trials per mode (the modes alternate).")] = 3,
+    trials: TrialsOption = 3,
     agents: Annotated[int, typer.Option(help="Agents that send their first turn at once.")] = 8,
     system_chars: Annotated[int, typer.Option(help="Characters of the shared system prompt.")] = 4200,
     json_out: JsonOutOption = False,
@@ -175,13 +177,8 @@ def run(
     )
 
     def plot(fig: Any) -> None:
-        ax = fig.subplots(1, 1)
-        for i, (mode, values) in enumerate(samples.items()):
-            ax.plot([i] * len(values), [s["last_ttft_ms"] for s in values], "o", alpha=0.6)
-            ax.bar(i, last[mode], alpha=0.4, label=mode)
-        ax.set_xticks(range(len(samples)), list(samples))
-        ax.set_ylabel("the last agent's TTFT ms (bars: medians)")
-        ax.legend(fontsize=7)
+        ttfts = {mode: [s["last_ttft_ms"] for s in values] for mode, values in samples.items()}
+        trials_and_medians(fig, ttfts, last, "the last agent's TTFT ms")
 
     params = {"model": model, "trials": trials, "agents": agents, "system_chars": system_chars}
     return BenchResult(SUITE, params, data, [table], plot)

@@ -20,12 +20,14 @@ from kvstrata.bench.common.command import (
     JsonOutOption,
     ModelOption,
     PlotOption,
+    TrialsOption,
     one_line_errors,
     progress_bar,
     show,
 )
 from kvstrata.bench.common.measure import check_positive, fmt_ms, fmt_x, median, rotate, verdict
 from kvstrata.bench.common.models import conversation, load_bench_model
+from kvstrata.bench.common.plots import trials_and_medians
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.common.stores import cold_copy, open_store, workdir
 
@@ -37,7 +39,7 @@ FOLLOW_UP = {"role": "user", "content": "Go on."}
 
 def command(
     model: ModelOption = None,
-    trials: Annotated[int, typer.Option(help="Trials per mode (the modes alternate).")] = 3,
+    trials: TrialsOption = 3,
     background: Annotated[int, typer.Option(help="Background agents that wake up at once.")] = 10,
     realtime_chars: Annotated[int, typer.Option(help="Characters of the realtime agent's reference.")] = 6000,
     background_chars: Annotated[int, typer.Option(help="Characters of each background agent's.")] = 2800,
@@ -120,14 +122,8 @@ def run(
     )
 
     def plot(fig: Any) -> None:
-        ax = fig.subplots(1, 1)
-        for i, (mode, values) in enumerate(results.items()):
-            ax.plot([i] * len(values), values, "o", alpha=0.6)
-            ax.bar(i, medians[mode], alpha=0.4, label=mode)
-        ax.axhline(medians[UNLOADED] * TARGET, color="red", lw=1, label=f"{TARGET}x unloaded")
-        ax.set_xticks(range(len(results)), list(results))
-        ax.set_ylabel("realtime TTFT ms (bars: medians)")
-        ax.legend(fontsize=7)
+        target = (medians[UNLOADED] * TARGET, f"{TARGET}x unloaded")
+        trials_and_medians(fig, results, medians, "realtime TTFT ms", reference=target)
 
     params = {"model": model, "trials": trials, "background": background}
     params |= {"realtime_chars": realtime_chars, "background_chars": background_chars}

@@ -25,6 +25,7 @@ __all__ = [
     "ModelOption",
     "PlotOption",
     "RepeatsOption",
+    "TrialsOption",
     "WorkdirOption",
     "one_line_errors",
     "progress_bar",
@@ -44,6 +45,7 @@ ModelOption = Annotated[
     ),
 ]
 RepeatsOption = Annotated[int, typer.Option("--repeats", min=1, help="Measurements per variant.")]
+TrialsOption = Annotated[int, typer.Option("--trials", help="Trials per mode (the modes alternate).")]
 AttnOption = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
 WorkdirOption = Annotated[
     Path | None,

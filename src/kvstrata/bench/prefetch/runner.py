@@ -20,12 +20,14 @@ from kvstrata.bench.common.command import (
     JsonOutOption,
     ModelOption,
     PlotOption,
+    TrialsOption,
     one_line_errors,
     progress_bar,
     show,
 )
 from kvstrata.bench.common.measure import check_positive, fmt_ms, fmt_x, median, rotate
 from kvstrata.bench.common.models import conversation, load_bench_model
+from kvstrata.bench.common.plots import trials_and_medians
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.common.stores import cold_copy, open_store, workdir
 
@@ -36,7 +38,7 @@ FOLLOW_UP = {"role": "user", "content": "Now in five words."}
 
 def command(
     model: ModelOption = None,
-    trials: Annotated[int, typer.Option(help="Trials per mode (the modes alternate).")] = 3,
+    trials: TrialsOption = 3,
     decode: Annotated[int, typer.Option(help="Tokens agent A decodes while B is prefetched.")] = 24,
     context_chars: Annotated[int, typer.Option(help="Characters of reference text per agent.")] = 6000,
     json_out: JsonOutOption = False,
@@ -129,13 +131,8 @@ def run(
     ]
 
     def plot(fig: Any) -> None:
-        ax = fig.subplots(1, 1)
-        for i, (mode, runs) in enumerate(results.items()):
-            ax.plot([i] * len(runs), [r["ttft_ms"] for r in runs], "o", alpha=0.6)
-            ax.bar(i, medians[mode], alpha=0.4, label=mode)
-        ax.set_xticks(range(len(results)), list(results))
-        ax.set_ylabel("B's TTFT ms (bars: medians)")
-        ax.legend(fontsize=7)
+        ttfts = {mode: [r["ttft_ms"] for r in runs] for mode, runs in results.items()}
+        trials_and_medians(fig, ttfts, medians, "B's TTFT ms")
 
     params = {"model": model, "trials": trials, "decode": decode, "context_chars": context_chars}
     return BenchResult(SUITE, params, data, [table], plot)
