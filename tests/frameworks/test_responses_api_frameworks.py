@@ -10,20 +10,12 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
-from agents import (
-    Agent,
-    ModelSettings,
-    OpenAIProvider,
-    Runner,
-    function_tool,
-    set_default_openai_client,
-    set_tracing_disabled,
-)
+from agents import Agent, OpenAIProvider, Runner, set_default_openai_client, set_tracing_disabled
 from agents.items import ToolCallItem
 from agents.models.openai_responses import OpenAIResponsesModel
+from agents_sdk import city_guide
 from openai import AsyncOpenAI
 from smol_server import ServerProcess, serve_smol
-from test_openai_agents import PlannedToolChoice
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +26,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield server
 
 
-@function_tool
-def get_weather(city: str) -> str:
-    """Get the current weather in a city."""
-    return f"Sunny and 21 C in {city}."
-
-
-@function_tool
-def get_time(city: str) -> str:
-    """Get the local time in a city."""
-    return f"It is 14:05 in {city}."
-
-
-def _agent(smol: ServerProcess) -> tuple[Agent, PlannedToolChoice]:
+def _agent(smol: ServerProcess) -> Agent:
     """An agent on the SDK's default model: a model name, the default client, the Responses API."""
     set_tracing_disabled(True)  # no trace export: there is no internet here
     set_default_openai_client(
@@ -54,20 +34,11 @@ def _agent(smol: ServerProcess) -> tuple[Agent, PlannedToolChoice]:
     )
     model = OpenAIProvider().get_model(smol.model_id())
     assert isinstance(model, OpenAIResponsesModel)  # the default: the Responses API
-    planned = PlannedToolChoice(model, ["required", "get_time", "none"])
-    agent = Agent(
-        name="city guide",
-        instructions="You answer questions about cities. Get the weather, then the local time, then answer.",
-        model=planned,
-        tools=[get_weather, get_time],
-        model_settings=ModelSettings(parallel_tool_calls=False, max_tokens=48),
-        reset_tool_choice=False,
-    )
-    return agent, planned
+    return city_guide(model)
 
 
 def test_the_agents_sdk_default_client_runs_a_two_tool_agent(smol: ServerProcess) -> None:
-    agent, _ = _agent(smol)
+    agent = _agent(smol)
     # chained by previous_response_id: each step sends only its new items, the server keeps the rest
     result = asyncio.run(
         Runner.run(agent, "What is the weather and the time in Paris?", auto_previous_response_id=True)
@@ -84,7 +55,7 @@ def test_the_agents_sdk_default_client_runs_a_two_tool_agent(smol: ServerProcess
 
 
 def test_the_agents_sdk_streams_a_two_tool_agent(smol: ServerProcess) -> None:
-    agent, _ = _agent(smol)
+    agent = _agent(smol)
 
     async def run() -> tuple[object, list[str]]:
         streamed = Runner.run_streamed(agent, "What is the weather and the time in Rome?")
