@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.table import Table
@@ -13,12 +14,46 @@ from kvstrata.cli.progress import progress_bar, show_progress
 from kvstrata.codecs import codec_names
 from kvstrata.errors import KVStrataError
 
+if TYPE_CHECKING:
+    from kvstrata.eval.codec_quality import StepCallback
+    from kvstrata.integrations.transformers.model import LoadedModel
+
 # The defaults of kvstrata.eval.codec_quality, written out: importing it imports transformers,
 # which would add seconds to every other ``kvstrata`` command.
 DEFAULT_CONTEXT_TOKENS = 512
 DEFAULT_EVAL_TOKENS = 128
 
 eval_app = typer.Typer(help="Measure kvstrata's parts on a real model.", no_args_is_help=True)
+
+T = TypeVar("T")
+
+
+def _teacher_forced(
+    model: str | None,
+    json_out: bool,
+    label: str,
+    steps: int,
+    evaluate: Callable[[LoadedModel, list[int], StepCallback], T],
+) -> tuple[LoadedModel, T]:
+    """Load ``model`` and the public-domain evaluation text, then run ``evaluate(loaded,
+    token_ids, on_step)`` under one progress bar over its ``steps`` teacher-forced steps (``label``
+    until the first step names itself); the loaded model and what ``evaluate`` returned. A
+    ``KVStrataError`` ends the command with one line."""
+    from kvstrata.eval.codec_quality import eval_token_ids
+    from kvstrata.integrations.transformers.model import load_model
+
+    try:
+        loaded = load_model(model, progress=show_progress(json_out))
+        token_ids = eval_token_ids(loaded)
+        with progress_bar(show_progress(json_out), transient=True) as progress:
+            task = progress.add_task(label, total=steps)
+
+            def on_step(description: str, _done: int) -> None:
+                progress.update(task, advance=1, description=description)
+
+            return loaded, evaluate(loaded, token_ids, on_step)
+    except KVStrataError as exc:
+        raise fail(str(exc)) from exc
 
 
 @eval_app.command("codecs")
@@ -36,24 +71,20 @@ def codecs_cmd(
     json_out: JsonOption = False,
 ) -> None:
     """Perplexity, KL, top-1 agreement, size and speed of each codec on a public-domain text."""
-    from kvstrata.eval.codec_quality import eval_token_ids, evaluate_codecs
-    from kvstrata.integrations.transformers.model import load_model
+    from kvstrata.eval.codec_quality import evaluate_codecs
 
     names = [name.strip() for name in codecs.split(",") if name.strip()] if codecs else codec_names()
     started = time.perf_counter()
-    try:
-        loaded = load_model(model, progress=show_progress(json_out))
-        token_ids = eval_token_ids(loaded)
-        # One bar over all teacher-forced steps: the reference run, then one run per codec.
-        with progress_bar(show_progress(json_out), transient=True) as progress:
-            task = progress.add_task("prefill and encode", total=eval_tokens * (len(names) + 1))
-
-            def on_step(label: str, _done: int) -> None:
-                progress.update(task, advance=1, description=label)
-
-            results = evaluate_codecs(loaded, token_ids, names, context_tokens, eval_tokens, on_step=on_step)
-    except KVStrataError as exc:
-        fail(str(exc))
+    # the steps: the reference run, then one run per codec
+    loaded, results = _teacher_forced(
+        model,
+        json_out,
+        "prefill and encode",
+        eval_tokens * (len(names) + 1),
+        lambda loaded, ids, on_step: evaluate_codecs(
+            loaded, ids, names, context_tokens, eval_tokens, on_step=on_step
+        ),
+    )
     elapsed_s = time.perf_counter() - started
     if json_out:
         print_json([row.summary() for row in results])
@@ -109,25 +140,22 @@ def eviction_cmd(
     json_out: JsonOption = False,
 ) -> None:
     """Which blocks to keep at a memory budget: recent-only vs sinks vs importance-budgeted."""
-    from kvstrata.eval.codec_quality import eval_token_ids
     from kvstrata.eval.eviction import MODES, evaluate_eviction
-    from kvstrata.integrations.transformers.model import load_model
 
-    try:
-        loaded = load_model(model, progress=show_progress(json_out))
-        token_ids = eval_token_ids(loaded)
-        with progress_bar(show_progress(json_out), transient=True) as progress:
-            task = progress.add_task("prefill", total=eval_tokens * len(MODES))
-            results = evaluate_eviction(
-                loaded,
-                token_ids,
-                budget=budget,
-                context_tokens=context_tokens,
-                eval_tokens=eval_tokens,
-                on_step=lambda label, _done: progress.update(task, advance=1, description="teacher-forcing"),
-            )
-    except KVStrataError as exc:
-        fail(str(exc))
+    loaded, results = _teacher_forced(
+        model,
+        json_out,
+        "prefill",
+        eval_tokens * len(MODES),
+        lambda loaded, ids, on_step: evaluate_eviction(
+            loaded,
+            ids,
+            budget=budget,
+            context_tokens=context_tokens,
+            eval_tokens=eval_tokens,
+            on_step=lambda _label, done: on_step("teacher-forcing", done),
+        ),
+    )
     if json_out:
         print_json(results)
         return
@@ -164,27 +192,19 @@ def pool_cmd(
 ) -> None:
     """Quality of an agent's blocks held encoded in device memory (issue 33): int8s, KIVI-4,
     graded by importance; against the same continuation over exact KV."""
-    from kvstrata.eval.codec_quality import eval_token_ids
     from kvstrata.eval.pool_quality import evaluate_pool
-    from kvstrata.integrations.transformers.model import load_model
 
     names = [name.strip() for name in schemes.split(",") if name.strip()]
     started = time.perf_counter()
-    try:
-        loaded = load_model(model, progress=show_progress(json_out))
-        token_ids = eval_token_ids(loaded)
-        with progress_bar(show_progress(json_out), transient=True) as progress:
-            task = progress.add_task("prefill", total=eval_tokens * (len(names) + 1))
-            results = evaluate_pool(
-                loaded,
-                token_ids,
-                names,
-                context_tokens,
-                eval_tokens,
-                on_step=lambda label, _done: progress.update(task, advance=1, description=label),
-            )
-    except KVStrataError as exc:
-        fail(str(exc))
+    loaded, results = _teacher_forced(
+        model,
+        json_out,
+        "prefill",
+        eval_tokens * (len(names) + 1),
+        lambda loaded, ids, on_step: evaluate_pool(
+            loaded, ids, names, context_tokens, eval_tokens, on_step=on_step
+        ),
+    )
     if json_out:
         print_json([row.summary() for row in results])
         return
