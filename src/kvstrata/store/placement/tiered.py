@@ -152,25 +152,10 @@ class TieredStore:
         """See :meth:`Reads.lookup`."""
         return self.reads.lookup(key, priority=priority, max_loss=max_loss, scheduled=scheduled)
 
-    def put(
-        self,
-        block: KVBlock,
-        *,
-        priority: Priority | None = None,
-        recent: bool = False,
-        namespace: str | None = None,
-        replace: bool = False,
-        absent_from_disk: bool = False,
-    ) -> bool:
-        """See :meth:`Writes.put`."""
-        return self.writes.put(
-            block,
-            priority=priority,
-            recent=recent,
-            namespace=namespace,
-            replace=replace,
-            absent_from_disk=absent_from_disk,
-        )
+    def put(self, block: KVBlock, *, replace: bool = False) -> bool:
+        """The :class:`Tier`'s put: :meth:`Writes.put` (the store's parts that place a session's
+        blocks, with their class and namespace, are handed the :class:`Writes` itself)."""
+        return self.writes.put(block, replace=replace)
 
     def remove(self, key: BlockKey) -> bool:
         removed = self.memory.remove(key)
