@@ -45,8 +45,8 @@ def prompt(agent: int) -> list[int]:
     return SHARED + [(agent * 31 + j * 7) % 150 + 3 for j in range(SUFFIX)]
 
 
-def request(agent: int, priority: str = "interactive") -> GenerationRequest:
-    sampling = SamplingParams(6, 0.0, ignore_eos=True)
+def request(agent: int, priority: str = "interactive", tokens: int = 6) -> GenerationRequest:
+    sampling = SamplingParams(tokens, 0.0, ignore_eos=True)
     return GenerationRequest(f"agent-{agent}", prompt_ids=prompt(agent), sampling=sampling, priority=priority)
 
 
@@ -220,3 +220,45 @@ def test_a_waiter_opened_after_the_computing_request_committed_gets_the_whole_pr
     assert owner.cached_tokens == 0
     assert background.cached_tokens == len(SHARED)
     assert run.computed == len(SHARED) + 2 * SUFFIX
+
+
+def test_a_waiter_whose_blocks_another_request_stored_first_still_gets_the_whole_prefix(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """A background request waits for an interactive one's prefill; a realtime one computes the
+    same prefix beside it and commits first, while the store worker opens the waiter only after
+    that: the shared full blocks are all stored then, but the 5 tokens past them are in no block of
+    the waiter's; it waits for the interactive request again, which lends them."""
+    run = Engines(tiny, tmp_path / "store", share=True, budget=chunked())
+    later: dict[str, object] = {}
+    committed = threading.Event()
+    held: list[bool] = []
+    try:
+
+        def store_the_realtime_blocks_first(report: StepReport) -> None:
+            if report.plan.slots and not later:
+                later["realtime"] = run.engine.submit(request(1, "realtime"))
+                later["background"] = run.engine.submit(request(2, "background"))
+                run.engine._worker.wait_idle(TIMEOUT)  # the background one waits for agent 0
+            running = {i.request.session_id: i for i in run.engine._inflight.values()}
+            owner, realtime = running.get("agent-0"), running.get("agent-1")
+            if owner is not None and (owner.saving or owner.saved) and not held:
+                held.append(True)  # after the checkpoint that reopens the waiter (it lends nothing
+                # yet: the 5 tokens are not computed), the store worker waits for the realtime
+                # request's commit, which then goes before the waiter's (background) open
+                run.engine._worker.submit(_COMMIT_RANK, lambda: committed.wait(TIMEOUT))
+            if realtime is None or len(realtime.decoder.token_ids) == 6:
+                committed.set()
+
+        run.engine.add_step_listener(store_the_realtime_blocks_first)
+        # agent 0 decodes long enough to be running still when the realtime one has committed
+        interactive = run.engine.submit(request(0, tokens=48)).result(timeout=TIMEOUT)
+        realtime = later["realtime"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+        background = later["background"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+    finally:
+        committed.set()
+        run.close()
+    assert held, "the waiter never waited for the interactive request's blocks"
+    assert interactive.cached_tokens == 0 and realtime.cached_tokens == 0
+    assert background.cached_tokens == len(SHARED)
+    assert run.computed == 2 * len(SHARED) + 3 * SUFFIX
