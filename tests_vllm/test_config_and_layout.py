@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvstrata import GcConfig, KVStore
 from kvstrata.config import StoreConfig, parse_size
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.vllm.config import ConnectorConfig
 from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.integrations.vllm.ranks import rank_key
+from kvstrata.layout import KVLayout
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.priority import Priority
 
@@ -80,6 +83,27 @@ def test_the_durability_mode_reaches_the_store_config(tmp_path: Path) -> None:
     assert ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)}).store.durability == "fast"
     with pytest.raises(ConfigError, match="durability must be one of"):
         ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "durability": "eventually"})
+
+
+def test_the_cold_dir_reaches_the_store_and_gc_moves_blocks_there(tmp_path: Path) -> None:
+    cold = tmp_path / "cold-disk"
+    cold.mkdir()
+    config = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path / "root"), "cold_dir": str(cold)})
+    assert config.store.cold_dir == str(cold)
+    assert ConnectorConfig.from_extra_config({"store_dir": str(tmp_path)}).store.cold_dir is None
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4)
+    with KVStore(config.store_path(layout), layout, model_fingerprint=b"m", config=config.store) as store:
+        session = store.create_session("s")
+        store.append(session, [1, 2, 3, 4], torch.ones(2, 2, 2, 4, 8))
+        store.checkpoint(session)
+        report = store.maintenance.collect_garbage(GcConfig(cold_after_s=3600), now=time.time() + 86400)
+        assert report.blocks_moved_cold == 1
+    assert list(cold.rglob("*.kvbin"))  # on the cold disk, not under the store
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    for bad, says in ((tmp_path / "missing", "does not exist"), (not_a_dir, "is not a directory")):
+        with pytest.raises(ConfigError, match=f"cold_dir .* {says}"):
+            ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "cold_dir": str(bad)})
 
 
 def test_defaults_are_exact_and_local(tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ class ConnectorConfig:
         # the store's own settings, read by StoreConfig itself; the remote tier's are flat here
         # (remote_url, remote_ttl_s, ...), and the URL defaults to $KVSTRATA_REMOTE
         settings = {key: data[key] for key in _STORE_KEYS if key in data}
+        if isinstance(settings.get("cold_dir"), str):
+            settings["cold_dir"] = os.path.expanduser(settings["cold_dir"])
         url = data.get("remote_url") or os.environ.get("KVSTRATA_REMOTE")
         if url:
             remote = {"url": str(url)}
@@ -151,6 +153,7 @@ _STORE_KEYS = (
     "encryption_key",
     "namespace_quotas",
     "durability",
+    "cold_dir",
 )
 # The RemoteConfig fields it may set, as remote_<field> (remote_url is the URL).
 _REMOTE_KEYS = ("cluster", "prefix", "ttl_s", "timeout_s", "write_through")
