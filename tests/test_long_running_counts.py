@@ -59,9 +59,11 @@ def test_the_placements_a_process_remembers_are_bounded(
 def test_the_block_statistics_a_process_keeps_are_bounded(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(block_stats, "KEPT", 16)
-    store = open_store()
+    monkeypatch.setattr(block_stats, "MIN_KEPT", 16)
+    # memory for 2 blocks: statistics for 8 times that (kept_for)
+    store = open_store(l1_budget_bytes=LAYOUT.bytes_per_block, l2_budget_bytes=LAYOUT.bytes_per_block)
     table = store.tiered.stats
+    assert table.kept == 16
     with table.hold([BlockKey(b"h" * 32)]):  # a block a reader holds is never dropped
         for i in range(10):
             _turn(store, f"s{i}", [1000 * i + t for t in range(4 * LAYOUT.block_tokens)])  # 4 blocks each

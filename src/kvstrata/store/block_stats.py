@@ -25,17 +25,25 @@ from kvstrata.policy import BlockStats
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store.block import KVBlock
 
-KEPT = 1 << 17
-"""Blocks whose statistics a process keeps (a few hundred bytes each): past this, the oldest that
-no reader holds go. Far more than memory tiers hold (a SmolLM2 block is 368 KiB: 1.25 GiB of L1
-and L2 hold about 3,500); a long-running server meets millions of blocks, most of them long gone
-from memory, and without a bound it kept statistics for every one."""
+MIN_KEPT = 1 << 14
+"""The fewest blocks whose statistics a process keeps (about 200 bytes each)."""
+
+
+def kept_for(memory_budget_bytes: int, bytes_per_block: int) -> int:
+    """How many blocks' statistics to keep: eight times what the memory tiers hold of exact
+    blocks (lossy codecs fit more), at least ``MIN_KEPT``. Past it, the oldest that no reader
+    holds go: a long-running server meets millions of blocks, most of them long gone from memory,
+    and without a bound it kept statistics for every one (a SmolLM2 block is 368 KiB: 1.25 GiB of
+    L1 and L2 hold about 3,500)."""
+    return max(MIN_KEPT, 8 * memory_budget_bytes // max(1, bytes_per_block))
 
 
 class BlockStatsTable:
-    def __init__(self) -> None:
+    def __init__(self, kept: int | None = None) -> None:
+        """``kept``: how many blocks' statistics at most (:func:`kept_for`; None: ``MIN_KEPT``)."""
         self._lock = threading.RLock()
         self._stats: dict[BlockKey, BlockStats] = {}
+        self.kept = kept if kept is not None else MIN_KEPT
 
     def get(self, key: BlockKey) -> BlockStats | None:
         return self._stats.get(key)
@@ -56,14 +64,14 @@ class BlockStatsTable:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic() if when is None else when)
-            if len(self._stats) > KEPT:
+            if len(self._stats) > self.kept:
                 self._trim(key)
         return stats
 
     def _trim(self, keep: BlockKey) -> None:
-        """Drop the oldest statistics no reader holds, down to 15/16 of ``KEPT`` (a dict keeps
+        """Drop the oldest statistics no reader holds, down to 15/16 of ``kept`` (a dict keeps
         insertion order: the first are the oldest)."""
-        excess = len(self._stats) - (KEPT - KEPT // 16)
+        excess = len(self._stats) - (self.kept - self.kept // 16)
         victims = []
         for key, stats in self._stats.items():
             if len(victims) >= excess:

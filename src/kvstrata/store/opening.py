@@ -22,7 +22,7 @@ from kvstrata.keys import BlockKey, root_key
 from kvstrata.layout import KVLayout
 from kvstrata.store.archive import Archives
 from kvstrata.store.block_access import BlockAccess
-from kvstrata.store.block_stats import BlockStatsTable
+from kvstrata.store.block_stats import BlockStatsTable, kept_for
 from kvstrata.store.catalog import SessionCatalog
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.documents import SessionDocuments
@@ -68,7 +68,7 @@ def open_parts(
     a read-only store, which changes nothing)."""
     layout: KVLayout = index.layout
     read_only = processes is None
-    stats = BlockStatsTable()
+    stats = BlockStatsTable(kept_for(config.l1_budget_bytes + config.l2_budget_bytes, layout.bytes_per_block))
     counters = StoreCounters()
     catalog: SessionCatalog | None = None
 

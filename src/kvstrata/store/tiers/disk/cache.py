@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from kvstrata.keys import BlockKey
 from kvstrata.store.index.block_rows import BlockTable, Placement
 
-KEPT = 1 << 17
+KEPT = 1 << 15
 """Placements a process keeps (about 100 bytes each); past this, the oldest go (a long-running
 server reads millions of blocks over weeks; one it dropped is asked of the index again)."""
 
