@@ -302,3 +302,21 @@ def test_gc_refuses_in_one_line_when_the_index_creation_time_is_damaged(
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "creation time is damaged" in result.stderr
     assert all(p.exists() for p in files)  # nothing deleted
+
+
+@pytest.mark.parametrize("column", ["created", "last_access", "ttl_s"])
+def test_gc_on_a_session_row_with_a_damaged_time_skips_it_in_one_line(
+    open_store: Factory, tmp_path: Path, column: str
+) -> None:
+    # gc's TTL and retention rules read each row's times (found by `kvstrata bench fuzz`, seed
+    # 63010: sessions.created set to 'yesterday' raised ValueError: could not convert string to float)
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    _update(root, f"UPDATE sessions SET {column} = 'yesterday' WHERE id = 's'")
+    result = CliRunner().invoke(app, ["gc", "--store", str(root)])
+    assert result.exit_code in (0, 1) and "Traceback" not in result.output, result.output
+    assert not isinstance(result.exception, ValueError), result.exception
+    assert len(result.stderr.strip().splitlines()) <= 1, result.stderr
+    store = open_store(root)
+    assert store.session("t").token_ids == TOKENS[:9]  # the healthy session is kept
+    store.close()

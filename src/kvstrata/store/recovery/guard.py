@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstrata.crypto import Keyring
+from kvstrata.errors import StoreFormatError
 from kvstrata.keys import KEY_BYTES, BlockKey
 from kvstrata.store.index import Index
 from kvstrata.store.kvbin import KIND_BLOCK
@@ -136,7 +137,11 @@ def gc_guard(root: Path, index: Index, keyring: Keyring | None) -> GcGuard:
         )
         return guard
     journals = [read_journal(path, keyring) for path in journal_files(root)]
-    behind = index_behind(index, journals, live)
+    try:
+        behind = index_behind(index, journals, live)
+    except StoreFormatError as exc:  # a row gc cannot compare: it deletes nothing
+        guard.refused = str(exc)
+        return guard
     if behind:
         guard.refused = (
             f"the session journal holds {len(behind)} checkpoint(s) the index does not (e.g. "
@@ -162,7 +167,16 @@ def index_behind(index: Index, journals: list[JournalFile], live: set[str]) -> l
         row = index.db.query_one(
             "SELECT created, version FROM sessions WHERE namespace = ? AND id = ?", (namespace, session_id)
         )
-        return (float(row[0]), int(row[1])) if row is not None else None
+        if row is None:
+            return None
+        try:
+            return float(row[0]), int(row[1])
+        except (TypeError, ValueError, OverflowError):  # the row's CRC32C is not read here
+            raise StoreFormatError(
+                f"the index's row of session {namespace}/{session_id} is damaged (created "
+                f"{str(row[0])[:40]!r}, version {str(row[1])[:40]!r}); nothing was deleted; "
+                "run `kvstrata fsck`"
+            ) from None
 
     ahead, _ = compare_with_index(journals, committed, live)
     return [f"{e.namespace}/{e.id} v{e.version}" for e in ahead]
