@@ -276,3 +276,19 @@ def test_padded_fp32_linears_give_each_row_its_own_result() -> None:
         flat = layer(x[0])  # (rows, features) too
         torch.testing.assert_close(flat, want[0], atol=1e-5, rtol=1e-5)
     assert pad_fp32_linears(tiny_llama(10, num_layers=1).to(torch.bfloat16)) == 0  # bf16: packed instead
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_fp32_linears_run_a_few_rows_on_their_packed_weights_and_one_row_on_torchs() -> None:
+    model = tiny_llama(10, num_layers=1)
+    pad_fp32_linears(model)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(1, 8, layer.in_features, generator=torch.Generator().manual_seed(4))
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        layer.weight.zero_()  # the packed copy is not the weight: a few rows still see the old one
+    for rows in (2, 3, 8):
+        torch.testing.assert_close(layer(x[:, :rows]), want[:, :rows], atol=1e-5, rtol=1e-5)
+    assert layer(torch.randn(1, 63, layer.in_features)).abs().sum() > 0
+    for rows in (1, 64):  # one row (a lone decode step) and prefill chunks: torch's kernel, the weight
+        assert layer(torch.randn(1, rows, layer.in_features)).abs().sum() == 0

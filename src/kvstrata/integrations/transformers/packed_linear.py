@@ -10,12 +10,17 @@ packs its weights the same way). The model keeps its weights; the packed copies 
 so the model's memory for linear weights doubles. For inference only: a weight changed after
 packing is not seen.
 
-fp32 linear layers keep torch's own kernel (MKL's sgemm), which is slow for some small row counts
-on this machine: 2, 3, 6, 7, 10 and 11 rows cost more than 4, 8 and 12 (SmolLM2's layers, 2
-cores, 2026-11-30: all linear layers of a step 62 ms for 3 rows against 48 ms for 4; its 49,152-row
-output layer 34.5 against 17.7 ms), so a batched step of 3 rows took 125 ms against 103 ms for 4.
-:func:`pad_fp32_linears` pads such inputs with zero rows up to the next multiple of 4 and drops
-the extra output rows (each row's result is computed from that row alone).
+fp32 linear layers: torch's own kernel (MKL's sgemm) is fast for one row (a single session's
+decode step) but slow for a few rows. On an AMD EPYC VM (2026-11-30) 2, 3, 6, 7, 10 and 11 rows
+cost more than 4, 8 and 12 (all of SmolLM2's linear layers of a step 62 ms for 3 rows against 48 ms
+for 4); on an Intel Xeon VM with AVX-512 (2026-12-03, loaded) 4 to 16 rows cost about twice 1 to
+3 rows (51 ms for 4 rows against 27 ms for 3), where oneDNN with its weights packed once took 34 ms
+for 4 rows and 39 ms for 8 against MKL's 77 ms (a decode step of 8 sessions 1.2-1.3x more tokens/s
+end to end). So :func:`pad_fp32_linears` gives each fp32 linear a oneDNN-packed copy of its
+weight and sends 2 to 63 rows to it, one row and prefill chunks (64 rows and more) to MKL, as
+before. Where oneDNN is not available it pads 2 or 3 rows past a multiple of 4 with zero rows up to
+that multiple instead and drops the extra output rows. Either way each row's result is computed
+from that row alone (float rounding may differ between the kernels).
 """
 
 from __future__ import annotations
@@ -59,13 +64,18 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 _PADDED = "_kvstrata_padded"
+_PACKED_FP32 = "_kvstrata_packed_fp32_weight"
 _PAD_BELOW = 64
 """Row counts from here on are left alone: the slow kernels are MKL's small-matrix ones."""
+_PACK_ROWS = 8
+"""The row count oneDNN lays the packed fp32 weights out for (a batch of decode steps)."""
 
 
 def pad_fp32_linears(model: torch.nn.Module) -> int:
-    """Make every fp32 ``nn.Linear`` on the CPU of ``model`` pad 2 or 3 rows past a multiple of 4
-    (under 64 rows) to that multiple (idempotent); how many were changed now."""
+    """Make every fp32 ``nn.Linear`` on the CPU of ``model`` run 2 to 63 rows on a oneDNN-packed
+    copy of its weight, or where oneDNN is missing pad 2 or 3 rows past a multiple of 4 to that
+    multiple (idempotent); how many were changed now."""
+    pack = torch.backends.mkldnn.is_available()
     changed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -79,6 +89,10 @@ def pad_fp32_linears(model: torch.nn.Module) -> int:
         ):
             continue
         setattr(module, _PADDED, True)
+        if pack:
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+            setattr(module, _PACKED_FP32, packed)
         module.forward = types.MethodType(_padded_forward, module)  # type: ignore[method-assign]
         changed += 1
     return changed
@@ -87,7 +101,12 @@ def pad_fp32_linears(model: torch.nn.Module) -> int:
 def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    if rows >= _PAD_BELOW or rows % 4 < 2:
+    if rows >= _PAD_BELOW or rows < 2:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    packed = getattr(self, _PACKED_FP32, None)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+    if rows % 4 < 2:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, features)
     padded = torch.cat([flat, flat.new_zeros(4 - rows % 4, features)])
