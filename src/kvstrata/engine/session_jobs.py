@@ -6,12 +6,14 @@ longest stored prefix of the prompt (:mod:`kvstrata.engine.prefix`), and build t
 batch row: a :class:`KVStrataCache` holding that prefix, with room for the rest of the prompt
 and the answer, and the position offset of a pruned prefix.
 
-**Incremental checkpoints** (while the request runs): every ``checkpoint_every_tokens`` (the
-store's setting, 256 by default) computed tokens, up to the last full block, the step thread asks
-for one (:meth:`SessionJobs.due`) and goes on decoding; the store worker appends the KV of those
+**Incremental checkpoints** (while the request runs): once half of ``checkpoint_every_tokens`` (the
+store's setting, 256 by default) computed tokens are unsaved, up to the last full block, the step
+thread asks for one (:meth:`SessionJobs.due`) and goes on decoding (the other half is the room
+the tokens computed while it is saved have); the store worker appends the KV of those
 tokens to the session and checkpoints it (:meth:`SessionJobs.save_running`), through the store's
-group commit. A ``kill -9`` then loses at most the tokens since the last checkpoint, not the whole
-request (the prompt's KV included). The step thread only ever appends past the tokens a
+group commit. A ``kill -9`` then loses at most ``checkpoint_every_tokens`` tokens (those since the
+last checkpoint, and those of one still being saved), not the whole request (the prompt's KV
+included). The step thread only ever appends past the tokens a
 checkpoint reads, so the worker copies them out of the row while the batch decodes on.
 
 **Commit** (when the request left the batch, finished or cancelled): append the KV of every token
@@ -198,7 +200,9 @@ class SessionJobs:
         bt = self.store.layout.block_tokens
         start = prefix.num_tokens
         upto = (start + row.length - prefix.slots) // bt * bt - start
-        if upto - inflight.saved >= self.store.config.checkpoint_every_tokens:
+        # posted once half the interval is unsaved: one checkpoint is in flight at a time, and the
+        # tokens computed while it is saved must stay within the bound a kill -9 may lose
+        if upto - inflight.saved >= max(bt, self.store.config.checkpoint_every_tokens // 2):
             return upto
         if inflight.awaited and upto > inflight.saved:
             return upto  # another request waits for these blocks
