@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstrata.store import staging
-from kvstrata.store.staging import StagingBuffers
+from kvstrata.store.staging import PROBES, StagingBuffers
 
 pytestmark = pytest.mark.skipif(staging._USE_COUNT is None, reason="torch exposes no storage use count")
 
@@ -61,10 +61,13 @@ def test_past_the_budget_copies_go_to_fresh_memory_and_free_buffers_of_other_sha
     assert pool.held_bytes == 8 << 10 and wide.shape == (8, 256)
 
 
-def test_append_copies_blocks_into_recycled_buffers(tmp_path) -> None:
+def test_append_copies_blocks_into_recycled_buffers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstrata.bench.common.stores import bench_config, commit_session, open_store
     from kvstrata.layout import KVLayout
 
+    # the process's pool, fresh: what the suite's earlier tests still hold is not this test's
+    # (CI's full run: its budget or the buffers it looked at were held elsewhere, no reuse)
+    monkeypatch.setattr(staging, "BUFFERS", StagingBuffers())
     layout = KVLayout(2, 2, 8, "float32", 4)
     kv = torch.randn(2, 2, 2, 32, 8)
     before = staging.BUFFERS.reused
@@ -85,6 +88,21 @@ def test_the_buffer_handed_out_longest_ago_is_looked_at_first() -> None:
     assert pool.copy(src).data_ptr() == oldest and pool.reused == 1
     held.pop(8)  # the newest released, the 4 oldest still held: not looked for, a new buffer
     assert pool.copy(src).data_ptr() not in {t.data_ptr() for t in held} and pool.reused == 1
+
+
+def test_buffers_held_for_long_do_not_stop_the_reuse_of_those_behind_them() -> None:
+    """Blocks a device or host cache keeps hold their buffers for long; once the budget is spent,
+    the copies look past them."""
+    src = torch.randn(4, 64)
+    pool = StagingBuffers((PROBES + 1) * src.numel() * 4)
+    kept = [pool.copy(src) for _ in range(PROBES)]  # the oldest buffers, held by a cache
+    for _ in range(3):
+        pool.copy(src)  # released at once, as the writer releases a block it wrote
+    # the 1st copy took the last buffer the budget allows, the 2nd found the kept ones held and
+    # no room (a plain copy), the 3rd looked behind them: before, the kept ones were looked at
+    # every time and nothing was reused again
+    assert pool.reused == 1
+    assert len(kept) == PROBES and pool.held_bytes == (PROBES + 1) * src.numel() * 4
 
 
 def test_buffers_serve_callers_in_and_out_of_inference_mode() -> None:

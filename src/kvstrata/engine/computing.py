@@ -43,6 +43,9 @@ class _Computing:
     blocks: list[tuple[int, BlockKey]]
     """(end position, key) of the prompt's full blocks the request computes, in order."""
     waiters: list[InFlight] = field(default_factory=list)
+    reopened: list[InFlight] = field(default_factory=list)
+    """Waiters reopened whose open may not have run yet (the store worker runs it later, after
+    a checkpoint or commit of higher rank): each is lent again what the row computed since."""
 
 
 class ComputingPrefixes:
@@ -52,14 +55,17 @@ class ComputingPrefixes:
         holds: Callable[[BlockKey], bool],
         block_tokens: int,
         reopen: Callable[[InFlight], None],
+        lend: Callable[[InFlight], None],
     ) -> None:
         """``key_chain``: the store's chained block keys; ``holds(key)``: whether a tier of the
-        store holds the block; ``reopen(inflight)``: open a waiting request's row again (the
-        engine queues it)."""
+        store holds the block; ``lend(inflight)``: copy onto a waiting request what the row it
+        waited for computed of its prompt (:meth:`lendable`); ``reopen(inflight)``: lend, then
+        open its row again (the engine queues the open)."""
         self.key_chain = key_chain
         self.holds = holds
         self.block_tokens = block_tokens
         self.reopen = reopen
+        self.lend = lend
         self._owner: dict[BlockKey, InFlight] = {}
         self._by_request: dict[str, _Computing] = {}
 
@@ -136,10 +142,12 @@ class ComputingPrefixes:
         done = [key for end, key in computing.blocks if end <= num_tokens]
         computing.blocks = [(end, key) for end, key in computing.blocks if end > num_tokens]
         self._release(inflight, done)
+        self._lend_again(inflight, computing)
         waiters, computing.waiters = computing.waiters, []
         inflight.awaited = False  # until a waiter that still needs a block waits again
         for waiter in waiters:
             self.reopen(waiter)
+        computing.reopened.extend(waiters)
 
     def ended(self, inflight: InFlight) -> None:
         """``inflight`` left (committed or failed): nothing of it is computing any more."""
@@ -147,8 +155,24 @@ class ComputingPrefixes:
         if computing is None:
             return
         self._release(inflight, [key for _, key in computing.blocks])
+        self._lend_again(inflight, computing)
         for waiter in computing.waiters:
             self.reopen(waiter)
+
+    def _lend_again(self, owner: InFlight, computing: _Computing) -> None:
+        """The waiters of ``owner`` reopened earlier whose open has not run yet are lent what its
+        row computed since (the tokens past the shared full blocks, when they were not computed at
+        that reopen): an open queued behind ``owner``'s commit finds its row freed and would
+        compute them itself."""
+        pending = []
+        for waiter in computing.reopened:
+            if waiter.row is not None or waiter.closed or waiter.failure is not None:
+                continue  # opened (or ended) meanwhile
+            if waiter.waited_on is not owner or waiter in computing.waiters:
+                continue  # waits again (for this request: it is reopened below, or for another)
+            self.lend(waiter)
+            pending.append(waiter)
+        computing.reopened = pending
 
     def lendable(self, waiter: InFlight) -> tuple[InFlight, int, int] | None:
         """The row of the request ``waiter`` waited for, and the positions ``begin:end`` of

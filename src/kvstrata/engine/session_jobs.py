@@ -87,7 +87,9 @@ class SessionJobs:
         self._reopen = reopen
         if reopen is not None:
             bt = store.layout.block_tokens
-            self.computing = ComputingPrefixes(store.block_key_chain, store.blocks.contains, bt, self._lend)
+            self.computing = ComputingPrefixes(
+                store.block_key_chain, store.blocks.contains, bt, self._lend_and_reopen, self._lend
+            )
         self._devices = layer_devices(model.model)
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._last_request: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -153,13 +155,19 @@ class SessionJobs:
         if self.computing is not None:
             self.computing.register(inflight)
 
-    def _lend(self, waiter: InFlight) -> None:
+    def _lend_and_reopen(self, waiter: InFlight) -> None:
         """Reopen ``waiter`` (its blocks are saved, or their computing request ended), lending it
-        a copy of the KV of its prompt tokens past those blocks that the row it waited for
-        computed (:meth:`ComputingPrefixes.lendable`). Copied now, on the store worker, from
-        positions the step thread writes no more: the waiter gets them however late its open
-        runs, even after that request committed and freed its row."""
-        assert self.computing is not None and self._reopen is not None
+        what the row it waited for computed past them (:meth:`_lend`)."""
+        assert self._reopen is not None
+        self._lend(waiter)
+        self._reopen(waiter)
+
+    def _lend(self, waiter: InFlight) -> None:
+        """Lend ``waiter`` a copy of the KV of its prompt tokens past the blocks the store gives it
+        that the row it waited for computed (:meth:`ComputingPrefixes.lendable`). Copied now, on
+        the store worker, from positions the step thread writes no more: the waiter gets them
+        however late its open runs, even after that request committed and freed its row."""
+        assert self.computing is not None
         waiter.lent = None
         try:
             found = self.computing.lendable(waiter)
@@ -170,7 +178,6 @@ class SessionJobs:
                     waiter.lent = (begin, owner.row.cache.new_kv(begin, end))
         except Exception:  # a bug here must neither fail the lender's checkpoint nor strand the waiter
             log.exception("lending KV to %s failed: it computes those tokens itself", waiter.request_id)
-        self._reopen(waiter)
 
     @staticmethod
     def _borrow(lent: tuple[int, torch.Tensor] | None, cache: KVStrataCache, start: int) -> int:

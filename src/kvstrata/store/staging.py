@@ -54,7 +54,9 @@ _USE_COUNT = _storage_use_count()
 
 PROBES = 4
 """Buffers of the wanted shape looked at per copy, oldest handed out first (the writer releases
-blocks in the order they came): a full scan made a 512-block checkpoint quadratic."""
+blocks in the order they came): a full scan made a 512-block checkpoint quadratic. When those are
+held and the budget is spent, they go to the back: the next copy looks at the next ones, so
+buffers held for long (blocks a device or host cache keeps) do not stop the pool for good."""
 
 
 class StagingBuffers:
@@ -113,6 +115,7 @@ class StagingBuffers:
             if self._bytes + nbytes > self.max_bytes:
                 self._drop_free(nbytes, keep=ring)
             if self._bytes + nbytes > self.max_bytes:
+                ring.rotate(-min(PROBES, len(ring)))  # those looked at, held, to the back
                 return None
             with torch.inference_mode(False):
                 ring.append(torch.empty(shape, dtype=dtype))
