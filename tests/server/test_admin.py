@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
-from server_builders import LiveServer, cached, chat, live_server, tiny_model
+from server_builders import MODEL_NAME, LiveServer, cached, chat, live_server, tiny_model
 
+from kvstrata.config import GcConfig
 from kvstrata.store.tiers.base import TierLevel
 
 MESSAGES = [
@@ -157,3 +159,22 @@ def test_admin_actions_are_audited(server: LiveServer) -> None:
     assert [e["action"] for e in entries] == ["pin", "fork"]
     assert all(e["tenant"] == "default" and e["outcome"] == "ok" for e in entries)
     assert all(str(e["client"]).startswith("127.0.0.1:") and isinstance(e["time"], float) for e in entries)
+
+
+def test_a_session_gc_expired_comes_back_with_the_ttl_of_x_session_ttl(server: LiveServer) -> None:
+    headers = {"X-Session-TTL": "60"}
+    with server.http() as http:
+        assert http.post("/v1/sessions", json={"id": "ttl-1", "ttl_s": 60}).status_code == 201
+        chat(server.client(), MESSAGES, "ttl-1", headers)
+        server.store.maintenance.collect_garbage(GcConfig(grace_s=0.0), now=time.time() + 120)
+        assert http.get("/v1/sessions/ttl-1").status_code == 404  # expired between two turns
+        chat(server.client(), MESSAGES, "ttl-1", headers)  # the agent comes back
+        assert http.get("/v1/sessions/ttl-1").json()["ttl_s"] == 60
+        for bad in ("0", "-5", "nan", "soon"):
+            refused = http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2},
+                headers={"X-Session-Id": "ttl-2", "X-Session-TTL": bad},
+            )
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Session-TTL"
+        assert http.get("/v1/sessions/ttl-2").status_code == 404  # nothing made for a refused request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,11 +80,16 @@ class GenerationRequest:
     tools=...)``); the messages may then carry ``tool_calls`` and ``tool`` turns."""
     template_kwargs: Mapping[str, Any] | None = None
     """Extra keyword arguments of the chat template (vLLM's ``chat_template_kwargs``)."""
+    ttl_s: float | None = None
+    """The TTL a session this request creates gets (one that gc expired and the agent came back
+    to included): gc deletes it once idle this long. A session that exists keeps its own."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids))
         if given != 1:
             raise ConfigError("a request has exactly one of messages, prompt or prompt_ids")
+        if self.ttl_s is not None and not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise ConfigError("ttl_s must be a positive number of seconds")
         if self.prompt_ids is not None:
             object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
         if self.sampling is None:

@@ -123,7 +123,11 @@ class SessionJobs:
             if request.use_cache:
                 inflight.lease.enter_context(self.store.leased(request.session_id, request.namespace))
                 session = self.store.create_session(
-                    request.session_id, request.namespace, priority=request.priority, exist_ok=True
+                    request.session_id,
+                    request.namespace,
+                    priority=request.priority,
+                    ttl_s=request.ttl_s,
+                    exist_ok=True,
                 )
                 if Priority.parse(request.priority).rank < Priority.parse(session.priority).rank:
                     # its class rose (a background agent asked for realtime): its lossy blocks are

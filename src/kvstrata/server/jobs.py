@@ -17,6 +17,7 @@ choice's tokens (the next turn reuses the prompt either way).
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class Job:
     """Completions: the text starts with the prompt."""
     own_session: bool = False
     """The session is the server's to make (a Responses chain's), whatever ``create_sessions``."""
+    ttl_s: float | None = None
+    """``X-Session-TTL``: the TTL of a session this request creates (see ``request_ttl``)."""
     setup: Callable[[], None] | None = None
     """Runs under the store lock once the job is validated, before the engine starts it (a
     Responses chain's session is made here: nothing is written for a refused request)."""
@@ -82,6 +85,7 @@ class Job:
             namespace=self.namespace,
             priority=self.priority,
             sampling=self.sampling.for_choice(choice),
+            ttl_s=self.ttl_s,
             tools=self.tools,
             template_kwargs=self.template_kwargs,
         )
@@ -119,6 +123,22 @@ def request_priority(request: Request, service_tier: str | None) -> Priority:
         return Priority.parse(header)
     except ConfigError as exc:
         raise APIError(400, str(exc), param="X-Priority", code="invalid_value") from exc
+
+
+def request_ttl(request: Request) -> float | None:
+    """``X-Session-TTL`` (seconds): the TTL of a session the request creates, so that a session
+    gc expired comes back with the TTL its agent gives it, not as one that never expires."""
+    header = request.headers.get("x-session-ttl")
+    if header is None:
+        return None
+    try:
+        ttl_s = float(header)
+    except ValueError:
+        ttl_s = math.nan
+    if not (math.isfinite(ttl_s) and ttl_s > 0):
+        message = "X-Session-TTL must be a positive number of seconds"
+        raise APIError(400, message, param="X-Session-TTL", code="invalid_value")
+    return ttl_s
 
 
 def build_job(
@@ -190,6 +210,7 @@ def build_job(
         namespace=namespace_for(tenant, body.cache_salt),
         priority=priority,
         sampling=sampling,
+        ttl_s=request_ttl(request),
         n=body.n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         tokens_as_ids=body.return_tokens_as_token_ids,
