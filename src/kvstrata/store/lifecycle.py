@@ -69,6 +69,8 @@ class GcReport:
     """Disk space the compaction gave back (``GcConfig.compact_hole_fraction``)."""
     process_files_removed: int = 0
     """Lock files of processes that died with the store open (``procs/``)."""
+    journal_files_merged: int = 0
+    """Journal files of processes that are gone, merged into one (:mod:`.recovery.merge`)."""
 
 
 class Maintenance:
@@ -89,11 +91,13 @@ class Maintenance:
         processes: ProcessRegistry | None,
         flush: Callable[[], None],
         guard: Callable[[], GcGuard],
+        merge_journal: Callable[[], int] | None = None,
     ) -> None:
         """``index``: its block and session rows; ``processes``: who has the store open (files of
         a live writer are left alone); ``flush``: the store's (queued writes land first);
         ``guard``: what the index may decide about the data files, asked at the start of each
-        pass (:mod:`.recovery.guard`)."""
+        pass (:mod:`.recovery.guard`); ``merge_journal``: merges the journal files of processes
+        that are gone (:mod:`.recovery.merge`), so that ``journal/`` stays bounded."""
         self._root = root
         self._layout = layout
         self._ladder = ladder
@@ -107,6 +111,7 @@ class Maintenance:
         self._processes = processes
         self._flush = flush
         self._guard = guard
+        self._merge_journal = merge_journal
         self._compactor = Compactor(disk.files, disk.cache, index.blocks, layout, disk.records.keyring)
 
     @contextlib.contextmanager
@@ -147,6 +152,7 @@ class Maintenance:
                 compacted = self._compactor.compact(config.compact_hole_fraction)
             orphans = self._remove_orphans(now - config.grace_s, guard)
             swept = self._processes.sweep() if self._processes is not None else 0  # dead processes' locks
+            merged = self._merge_journal() if self._merge_journal is not None else 0
         return GcReport(
             deleted,
             len(doomed),
@@ -159,6 +165,7 @@ class Maintenance:
             compacted.segments_compacted if compacted is not None else 0,
             compacted.bytes_reclaimed if compacted is not None else 0,
             swept,
+            merged,
         )
 
     def _expire_sessions(self, config: GcConfig, now: float) -> tuple[int, int]:

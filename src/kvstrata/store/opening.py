@@ -33,6 +33,7 @@ from kvstrata.store.placement import TieredStore
 from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.recovery.guard import gc_guard
 from kvstrata.store.recovery.journal import SessionJournal
+from kvstrata.store.recovery.merge import merge_journal
 from kvstrata.store.recovery.opening import open_journal
 from kvstrata.store.session_io import SessionIO
 from kvstrata.store.stats import StoreStatistics
@@ -177,6 +178,9 @@ def open_parts(
         processes=processes,
         flush=tiered.flush,
         guard=functools.partial(gc_guard, root, index, keyring),
+        merge_journal=functools.partial(merge_journal, root, layout, journal.store_id, keyring)
+        if processes is not None
+        else None,
     )
     archives = Archives(
         layout,

@@ -35,9 +35,8 @@ from kvstrata.store.recovery.identity import NEEDS_FSCK_META, STORE_ID_META, seq
 from kvstrata.store.recovery.journal import (
     JournalFile,
     compare_with_index,
-    journal_files,
     newest_entries,
-    read_journal,
+    read_journals,
 )
 from kvstrata.store.recovery.records import FileInfo, walk_records
 
@@ -136,7 +135,7 @@ def gc_guard(root: Path, index: Index, keyring: Keyring | None) -> GcGuard:
             "run `kvstrata fsck`"
         )
         return guard
-    journals = [read_journal(path, keyring) for path in journal_files(root)]
+    journals = read_journals(root, keyring)
     try:
         behind = index_behind(index, journals, live)
     except StoreFormatError as exc:  # a row gc cannot compare: it deletes nothing

@@ -8,18 +8,21 @@ journal first, in the order the commits were made (the index's write lock orders
 processes). A crash in between leaves a manifest the index never committed; a rebuild may bring
 that one back, and it is whole (its blocks were durable before it was written).
 
-A file grows until ``ROTATE_BYTES``, then the process starts another; ``kvstrata gc`` merges the
-files of processes that are gone into one (the newest entry of each session), so the journal holds
-about one manifest per session. A torn append (a crash during the write) leaves a record that
-fails its checksum at the end of the file: it was never committed, and readers skip it.
+A file grows until ``ROTATE_BYTES``, then the process starts another; ``kvstrata gc`` (and a
+writer's open, once enough have piled up) merges the files of processes that are gone into one
+(the newest entry of each session, :mod:`.merge`), so the journal holds about one entry per
+session, not one file per process that ever wrote. A torn append (a crash during the write)
+leaves a record that fails its checksum at the end of the file: it was never committed, and
+readers skip it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +64,32 @@ def _file_order(path: Path) -> tuple[int, str]:
 
 def journal_writer_nonce(path: Path) -> str:
     return path.name[:8]
+
+
+JOURNAL_LOCK = "journal.lock"
+
+
+@contextlib.contextmanager
+def journal_lock(root: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+    """Hold the journal's lock: shared to read every file as one whole, exclusive to merge files
+    (a reader never sees a merge's sources gone and its result not yet there). Yields whether it
+    is held: False when ``wait`` is off and another holds it, or on a store this process cannot
+    write to (a reader then reads as it can: a file that vanishes is skipped)."""
+    try:
+        fd = os.open(root / JOURNAL_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, flags)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 class SessionJournal:
@@ -215,6 +244,16 @@ def read_journal(path: Path, keyring: Keyring | None) -> JournalFile:
     return result
 
 
+def read_journals(root: Path, keyring: Keyring | None) -> list[JournalFile]:
+    """Every journal file of the store, read as one whole (under the journal's shared lock)."""
+    journals: list[JournalFile] = []
+    with journal_lock(root, exclusive=False):
+        for path in journal_files(root):
+            with contextlib.suppress(FileNotFoundError):  # merged meanwhile: see journal_lock
+                journals.append(read_journal(path, keyring))
+    return journals
+
+
 def _placed(entry: JournalEntry, name: str, offset: int) -> JournalEntry:
     return JournalEntry(
         entry.namespace, entry.id, entry.created, entry.version, entry.row, entry.seq, (name, offset)
@@ -249,7 +288,12 @@ def compare_with_index(
     newest_file: dict[str, JournalFile] = {}
     for journal in journals:  # oldest first: the last one of a writer is its newest
         newest_file[writers[journal.path.name]] = journal
-    last = {j.entries[-1].place for j in newest_file.values() if j.entries}
+    last = {j.entries[-1].place for j in newest_file.values() if j.entries and not _merged(j)}
+    for journal in journals:  # a merged file: the entries that were their writers' last
+        if _merged(journal):
+            assert journal.info is not None
+            carried = set(journal.info.last_seqs)
+            last.update(e.place for e in journal.entries if e.seq in carried)
     ahead: list[JournalEntry] = []
     cut_short: list[JournalEntry] = []
     for (namespace, session_id), entry in newest_entries(journals).items():
@@ -261,3 +305,7 @@ def compare_with_index(
         one_ahead = row is None or (entry.created == row[0] and entry.version == row[1] + 1)
         (cut_short if entry.place in last and one_ahead else ahead).append(entry)
     return ahead, cut_short
+
+
+def _merged(journal: JournalFile) -> bool:
+    return journal.info is not None and journal.info.merged

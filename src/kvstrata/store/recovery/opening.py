@@ -15,6 +15,7 @@ from kvstrata.store.kvbin import HEADER_BYTES, KIND_JOURNAL_HEADER, parse_header
 from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.recovery.identity import ensure_store_id, store_id_of
 from kvstrata.store.recovery.journal import SessionJournal, journal_files
+from kvstrata.store.recovery.merge import merge_at_open
 from kvstrata.store.recovery.records import read_file_info
 from kvstrata.store.roots import INDEX_FILE
 from kvstrata.store.tiers.disk.fileio import fsync_dir
@@ -110,4 +111,5 @@ def open_journal(
     store_id = open_identity(index, root)
     files.store_id = store_id
     sync_store_dirs(root)
+    merge_at_open(root, index.layout, store_id, keyring)  # the files of processes that are gone
     return SessionJournal(root, index.layout, store_id, processes.nonce, keyring)

@@ -198,6 +198,11 @@ class FileInfo:
     """Per block record of a segment, in file order, its namespace."""
     key_check: str | None = None
     """The check value of the store's encryption key (journal headers of an encrypted store)."""
+    merged: bool = False
+    """A journal file that merges the files of processes that are gone (:mod:`.merge`)."""
+    last_seqs: tuple[int, ...] = ()
+    """Of a merged file's entries, those that were the last their writer wrote (by ``seq``): what
+    a commit cut short looks like (:func:`.journal.compare_with_index`)."""
 
 
 def segment_info_parts(
@@ -217,11 +222,21 @@ def segment_info_parts(
 
 
 def journal_header_record(
-    store_id: str, seq: int, layout_json: str, layout_fingerprint: bytes, key_check: str | None
+    store_id: str,
+    seq: int,
+    layout_json: str,
+    layout_fingerprint: bytes,
+    key_check: str | None,
+    *,
+    last_seqs: list[int] | None = None,
 ) -> bytes:
-    head = {"format": RECORDS_FORMAT, "store_id": store_id, "seq": seq, "layout": layout_json}
+    """A journal file's header; with ``last_seqs``, a merged file's (see ``FileInfo``)."""
+    head: dict[str, Any] = {"format": RECORDS_FORMAT, "store_id": store_id, "seq": seq, "layout": layout_json}
     if key_check is not None:
         head["key_check"] = key_check
+    if last_seqs is not None:
+        head["merged"] = True
+        head["last_seqs"] = sorted(last_seqs)
     return b"".join(_parts(KIND_JOURNAL_HEADER, _NO_KEY, _body(head), layout_fingerprint, None, None))
 
 
@@ -239,6 +254,8 @@ def read_file_info(data: bytes | memoryview, kind: int, path: Path | str | None 
             head.get("layout"),
             namespaces,
             head.get("key_check"),
+            bool(head.get("merged", False)),
+            tuple(int(seq) for seq in head.get("last_seqs", ())),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CorruptBlockError(f"malformed file info record ({exc})", path) from exc

@@ -27,7 +27,7 @@ from kvstrata.store.kvbin import (
     sealed_namespace,
 )
 from kvstrata.store.recovery.identity import seq_of
-from kvstrata.store.recovery.journal import JournalFile, journal_files, read_journal
+from kvstrata.store.recovery.journal import JournalFile, journal_files, journal_lock, read_journal
 from kvstrata.store.recovery.records import FileInfo, read_file_info, walk_records
 from kvstrata.store.tiers.disk.cold_dir import MARKER, recorded_cold_dir
 from kvstrata.store.tiers.disk.files import SEGMENTS_DIR, parse_file_name, parse_segment_name
@@ -114,21 +114,28 @@ def scan_store(
             _scan_block_file(scan, path, cold, layout_fingerprint, keyring)
             if progress is not None:
                 progress(path.name)
-    for path in journal_files(root):
-        try:
-            journal = read_journal(path, keyring)
-        except OSError as exc:
-            scan.damage.append(f"journal {path.name}: cannot read: {exc.strerror or exc}")
-            continue
-        scan.journals.append(journal)
-        if journal.info is not None:
-            scan.store_ids[journal.info.store_id] += 1
-        elif journal.entries:
-            scan.damage.append(f"journal {path.name}: its header record is damaged")
-        scan.damage += [f"journal {path.name}: {problem}" for problem in journal.problems]
-        if progress is not None:
-            progress(path.name)
+    with journal_lock(root, exclusive=False):  # no merge swaps files under this read
+        for path in journal_files(root):
+            _scan_journal(scan, path, keyring)
+            if progress is not None:
+                progress(path.name)
     return scan
+
+
+def _scan_journal(scan: DataScan, path: Path, keyring: Keyring | None) -> None:
+    try:
+        journal = read_journal(path, keyring)
+    except FileNotFoundError:
+        return  # merged meanwhile (a store this process may not lock): its entries are in the merge
+    except OSError as exc:
+        scan.damage.append(f"journal {path.name}: cannot read: {exc.strerror or exc}")
+        return
+    scan.journals.append(journal)
+    if journal.info is not None:
+        scan.store_ids[journal.info.store_id] += 1
+    elif journal.entries:
+        scan.damage.append(f"journal {path.name}: its header record is damaged")
+    scan.damage += [f"journal {path.name}: {problem}" for problem in journal.problems]
 
 
 def scan_count(root: Path) -> int:
