@@ -259,6 +259,8 @@ class SessionCatalog:
 
     def delete(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         with self.leased(session_id, namespace):
+            if self._leases is not None:
+                self._leases.unpin(namespace, session_id)
             session = self._sessions.pop((namespace, session_id), None)
             window = self._recent_blocks
             if session is not None and window:
@@ -283,9 +285,19 @@ class SessionCatalog:
         if (session.namespace, session.id) not in self._sessions:
             self._keep(session)  # a copy dropped while idle, changed again: this process's again
 
+    def pin(self, session: Session, keys: list[BlockKey]) -> None:
+        """Keep stored blocks ``session`` uses from gc until its checkpoint (``Leases.pin``)."""
+        self.writable().pin(session.namespace, session.id, keys)
+
+    def unpin(self, session: Session) -> None:
+        if self._leases is not None:
+            self._leases.unpin(session.namespace, session.id)
+
     def release(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Give the session's lease back. Changes not checkpointed are dropped from this process
         (the next user reads the last checkpoint, as after a crash)."""
+        if self._leases is not None:
+            self._leases.unpin(namespace, session_id)
         if self._leases is None or not self._leases.give_back(namespace, session_id):
             return
         live = self._sessions.get((namespace, session_id))

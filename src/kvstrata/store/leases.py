@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from kvstrata.errors import SessionBusyError
+from kvstrata.keys import BlockKey
 from kvstrata.store.index.leases import LeaseTable
 from kvstrata.store.processes import ProcessRegistry
 
@@ -33,6 +34,8 @@ class Leases:
         self._until: dict[SessionId, float] = {}
         self.depth: dict[SessionId, int] = {}
         """How many ``leased`` blocks hold each lease now (a session being served)."""
+        self._pinned: set[SessionId] = set()
+        """Sessions whose borrowed blocks this process pins (see ``pin``)."""
 
     def claim(self, namespace: str, session_id: str, *, force: bool = False, patient: bool = False) -> None:
         """Hold the session's lease (taking or renewing it when less than half of it is left);
@@ -60,5 +63,18 @@ class Leases:
         return True
 
     def release_all(self) -> None:
-        """Every lease of this process (it closes the store)."""
+        """Every lease and pin of this process (it closes the store)."""
+        self._pinned.clear()
         self._table.release_all(self._processes.token)
+
+    def pin(self, namespace: str, session_id: str, keys: list[BlockKey]) -> None:
+        """Keep ``keys`` (stored blocks the session uses before its checkpoint names them: a
+        prefix borrowed from another session) from gc in every process, until ``unpin`` or this
+        process ends: gc only knows the blocks that committed rows name."""
+        self._table.pin(self._processes.token, namespace, session_id, [bytes(key) for key in keys])
+        self._pinned.add((namespace, session_id))
+
+    def unpin(self, namespace: str, session_id: str) -> None:
+        if (namespace, session_id) in self._pinned:
+            self._pinned.discard((namespace, session_id))
+            self._table.unpin(self._processes.token, namespace, session_id)

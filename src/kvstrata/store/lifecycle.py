@@ -15,6 +15,9 @@ Other processes may be writing meanwhile, so:
   rows, and writes back any that went, see ``SessionIO._checkpoint``);
 - blocks and files younger than ``grace_s`` are left alone (a session still being written in
   another process may name them at its next checkpoint);
+- blocks a live process's session uses before its checkpoint names them (a prefix borrowed from
+  another session's blocks, which may expire meanwhile) are pinned in the index's ``block_pins``
+  and kept, however long the request runs (``Leases.pin``);
 - a reader whose block vanished treats it as missing and recomputes, never as corruption.
 """
 
@@ -108,6 +111,8 @@ class Maintenance:
         self._writer = writer
         self._blocks = index.blocks
         self._sessions = index.sessions
+        self._leases = index.leases
+        self._alive = processes.alive if processes is not None else (lambda token: True)
         self._processes = processes
         self._flush = flush
         self._guard = guard
@@ -187,12 +192,14 @@ class Maintenance:
 
     def _delete_unreferenced(self, older_than: float, guard: GcGuard) -> dict[BlockKey, Placement]:
         live = {key for session in self._catalog.live() for key in session.all_keys()}
-        sessions = self._sessions
+        sessions, leases, alive = self._sessions, self._leases, self._alive
 
         def referenced(db: sqlite3.Connection) -> set[bytes]:
             # a damaged session row raises here: nothing is deleted on the word of a damaged index;
-            # guard.protected: named by a session's newest journaled checkpoint
-            return set(live) | guard.protected | sessions.referenced_keys(db)  # live: since their checkpoint
+            # guard.protected: named by a session's newest journaled checkpoint; pins: blocks a
+            # live process's session uses before its checkpoint names them (a borrowed prefix)
+            pinned = leases.pins(db, alive)  # live: since their checkpoint
+            return set(live) | guard.protected | sessions.referenced_keys(db) | pinned
 
         return self._blocks.delete_unreferenced(referenced, older_than)
 

@@ -132,7 +132,10 @@ class SessionIO:
             tail = chain_key(parent, rest)
         # one index query for the whole append (one a block took about 0.07 ms: 36 of the 200 ms
         # of a 512-block checkpoint)
-        absent = self._writes.absent_from_disk([*full_keys, *([tail] if tail is not None else [])])
+        candidates = [*full_keys, *([tail] if tail is not None else [])]  # stored ones: pinned
+        absent = self._writes.absent_else_pinned(
+            candidates, lambda found: self._catalog.pin(session, found), self._forget
+        )
         kv = self._block_kv(kv)
         group = max(1, STAGE_GROUP_BYTES // self.layout.bytes_per_block)
         for first in range(0, len(full_keys), group):
@@ -378,6 +381,7 @@ class SessionIO:
                 "another process (gc or eviction); the previous checkpoint stays valid"
             )
         session.checkpointed_tokens = session.num_tokens
+        self._catalog.unpin(session)  # its row names its blocks now
         self._publish(session)
 
     def _publish(self, session: Session) -> None:

@@ -11,6 +11,7 @@ row's version (compare-and-set), so no process ever overwrites a newer checkpoin
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,7 +27,16 @@ CREATE TABLE IF NOT EXISTS session_leases (
     expires REAL NOT NULL,
     PRIMARY KEY (namespace, id)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS block_pins (
+    owner TEXT NOT NULL,
+    namespace TEXT NOT NULL,
+    id TEXT NOT NULL,
+    key BLOB NOT NULL,
+    PRIMARY KEY (owner, namespace, id, key)
+) WITHOUT ROWID;
 """
+# block_pins: blocks a live process's session uses before its checkpoint names them (a prefix
+# borrowed from another session's blocks): gc in any process keeps them (see ``pins``)
 
 
 class LeaseTable:
@@ -70,6 +80,33 @@ class LeaseTable:
     def release_all(self, owner: str) -> None:
         with self.db.transaction() as db:
             db.execute("DELETE FROM session_leases WHERE owner = ?", (owner,))
+            db.execute("DELETE FROM block_pins WHERE owner = ?", (owner,))
+
+    # -- block pins -------------------------------------------------------------------------------
+    def pin(self, owner: str, namespace: str, session_id: str, keys: list[bytes]) -> None:
+        """Keep ``keys`` from gc (every process's) until ``unpin``, or ``owner`` is gone."""
+        with self.db.transaction() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO block_pins VALUES (?, ?, ?, ?)",
+                [(owner, namespace, session_id, bytes(key)) for key in keys],
+            )
+
+    def unpin(self, owner: str, namespace: str, session_id: str) -> None:
+        with self.db.transaction() as db:
+            db.execute(
+                "DELETE FROM block_pins WHERE owner = ? AND namespace = ? AND id = ?",
+                (owner, namespace, session_id),
+            )
+
+    def pins(self, db: sqlite3.Connection, alive: Callable[[str], bool]) -> set[bytes]:
+        """Inside gc's transaction (``db``): the keys live processes pin; a dead owner's pins go."""
+        owners = [str(row[0]) for row in db.execute("SELECT DISTINCT owner FROM block_pins")]
+        dead = [owner for owner in owners if not alive(owner)]
+        db.executemany("DELETE FROM block_pins WHERE owner = ?", [(owner,) for owner in dead])
+        return {bytes(row[0]) for row in db.execute("SELECT key FROM block_pins")}
+
+    def pinned_keys(self) -> set[bytes]:
+        return {bytes(row[0]) for row in self.db.query("SELECT key FROM block_pins")}
 
     def holder(self, namespace: str, session_id: str) -> tuple[str, float] | None:
         row = self.db.query_one(

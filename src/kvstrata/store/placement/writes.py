@@ -7,7 +7,7 @@ blocks behind L3 or with it, and a published session's blocks before its manifes
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
@@ -70,6 +70,25 @@ class Writes:
         """The ``keys`` L3 does not hold (one index query for all; a block another process writes
         meanwhile is written again, which the index takes as a replacement)."""
         return set(self._writer.absent(keys))
+
+    def absent_else_pinned(
+        self,
+        keys: Sequence[BlockKey],
+        pin: Callable[[list[BlockKey]], None],
+        forget: Callable[[BlockKey], None],
+    ) -> set[BlockKey]:
+        """``absent_from_disk``, the others ``pin``ned (blocks a session's append found stored: a
+        prefix shared with another session; pinned until its checkpoint names them, so that gc in
+        another process keeps them) and asked of the index again (``forget``: the placement cache's),
+        so that one a gc deleted before the pin is absent, and written again from the append's KV."""
+        absent = self.absent_from_disk(keys)
+        present = [key for key in keys if key not in absent]
+        if not present:
+            return absent
+        pin(present)
+        for key in present:
+            forget(key)
+        return absent | self.absent_from_disk(present)
 
     def make_durable(self, keys: Iterable[BlockKey], timeout: float | None = None) -> list[BlockKey]:
         """Write ``keys`` to L3 (from whichever memory tier holds them) and wait; the keys that
