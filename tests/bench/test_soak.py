@@ -11,7 +11,7 @@ import pytest
 
 from kvstrata.bench.soak.agents import compare
 from kvstrata.bench.soak.params import SoakParams
-from kvstrata.bench.soak.report import within_slope
+from kvstrata.bench.soak.report import memwatch_summary, within_slope
 from kvstrata.bench.soak.runner import run
 
 
@@ -70,3 +70,27 @@ def test_three_minutes_of_agents_restarts_kill_and_gc(tmp_path: Path) -> None:
     assert len({s["segment"] for s in samples}) == events["restarts"] + 1  # samples from every start
     assert all(s["rss_bytes"] > 0 and s["open_files"] > 0 and s["threads"] > 0 for s in samples)
     assert result.save_plot(tmp_path / "soak.png") is not None
+
+
+def test_memwatch_lines_split_the_growth() -> None:
+    # two server processes, each sampled every 60 s: glibc's free bytes grow 1 MB a minute, Python's
+    # allocations stay; the first 60 s of each are warm-up
+    lines = [
+        {
+            "pid": pid,
+            "t_s": t,
+            "rss": 500e6 + t / 60 * 1e6,
+            "traced": 5e6,
+            "glibc": {"in_use": 200e6, "free": 30e6 + t / 60 * 1e6},
+            "tensor_bytes": 10e6,
+            "objects": 1000,
+            **({"sites_grown": [{"bytes": 10, "count": 1, "where": ["x.py:1"]}]} if t else {}),
+        }
+        for pid in (1, 2)
+        for t in range(0, 600, 60)
+    ]
+    summary = memwatch_summary(lines, warmup_s=60)
+    assert summary["glibc_free_mb_per_hour"] == pytest.approx(60.0)
+    assert summary["rss_mb_per_hour"] == pytest.approx(60.0)
+    assert summary["python_traced_mb_per_hour"] == pytest.approx(0.0)
+    assert summary["samples"] == 18 and summary["sites_grown"][0]["where"] == ["x.py:1"]

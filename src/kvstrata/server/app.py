@@ -22,6 +22,7 @@ from kvstrata.server.audit import AuditLog
 from kvstrata.server.context import ServerConfig, ServerContext
 from kvstrata.server.deps import authorize, context
 from kvstrata.server.errors import HANDLERS
+from kvstrata.server.memwatch import MemWatch
 from kvstrata.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvstrata.server")
@@ -61,7 +62,12 @@ def create_app(
                 draining.append(loop.run_in_executor(None, engine.drain, drain_timeout_s))
 
         _on_stop_signals(lambda: loop.call_soon_threadsafe(begin_drain))
+        watch = MemWatch.from_env()  # opt-in: KVSTRATA_MEMWATCH=<file> (kvstrata.server.memwatch)
+        if watch is not None:
+            watch.start(loop)
         yield
+        if watch is not None:
+            watch.stop()
         begin_drain()
         report = await draining[0]
         # a cut or unsaved request is worth the operator's eye (uvicorn's log shows warnings)

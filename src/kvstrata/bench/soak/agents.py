@@ -83,6 +83,9 @@ class Workload:
     """Each class's shared system prompt (the prefix its agents share)."""
     turns: list[Turn] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    replies: dict[int, int] = field(default_factory=dict)
+    """Replies each agent had, across its conversations: every ``check_every``-th is checked (counted
+    within one conversation, none was when ``max_turns < check_every``)."""
 
     def now(self) -> float:
         return time.monotonic() - self.started
@@ -120,7 +123,8 @@ class Workload:
                 history.pop()
             else:
                 history.append({"role": "assistant", "content": reply.text})
-                if cls == CHECKED_CLASS and turn % self.params.check_every == self.params.check_every - 1:
+                self.replies[index] = replies = self.replies.get(index, 0) + 1
+                if cls == CHECKED_CLASS and replies % self.params.check_every == 0:
                     await self._check(index, sent, reply)
                 if cls == "interactive" and turn % self.params.fork_every == self.params.fork_every - 1:
                     await self._fork(index, session, history, rng)

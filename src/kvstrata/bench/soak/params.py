@@ -57,6 +57,8 @@ class SoakParams:
     l1_budget_bytes: int = 64 << 20
     l2_budget_bytes: int = 128 << 20
     model: str | None = None
+    memwatch: bool = False
+    """Have the server sample what it holds (:mod:`kvstrata.server.memwatch`) at every sample."""
     classes: tuple[str, ...] = field(default=CLASSES)
 
     def __post_init__(self) -> None:

@@ -3,7 +3,9 @@ so that a restart's drop is not read as a trend), the targets, the tables and th
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from kvstrata.bench.common.measure import percentile
@@ -92,6 +94,44 @@ def summarize(
     }
 
 
+MEMWATCH_SERIES = {
+    "rss": lambda m: m["rss"],
+    "python_traced": lambda m: m["traced"],
+    "glibc_in_use": lambda m: m["glibc"].get("in_use", 0),
+    "glibc_free": lambda m: m["glibc"].get("free", 0),
+    "tensors": lambda m: m["tensor_bytes"],
+}
+"""What :mod:`kvstrata.server.memwatch` splits RSS into: Python's allocations (tracemalloc), glibc's
+heap in use and free inside it (fragmentation), torch tensors' storage."""
+
+
+def read_memwatch(path: Path) -> list[dict[str, Any]]:
+    """The lines the server's memwatch wrote (none: no file)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def memwatch_summary(lines: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    """Slopes (MB/h, within each server process, after warm-up) of each part of RSS, and what grew
+    most by the last sample (allocation sites, object types)."""
+    steady = [m for m in lines if m["t_s"] >= warmup_s]
+    slopes = {}
+    for name, value in MEMWATCH_SERIES.items():
+        found = within_slope([(m["pid"], m["t_s"], value(m) / 1e6) for m in steady])
+        slopes[f"{name}_mb_per_hour"] = None if found is None else found * HOUR_S
+    objects = within_slope([(m["pid"], m["t_s"], m["objects"]) for m in steady])
+    last = lines[-1] if lines else {}
+    return {
+        **slopes,
+        "objects_per_hour": None if objects is None else objects * HOUR_S,
+        "samples": len(steady),
+        "last": {k: last.get(k) for k in ("rss", "traced", "glibc", "objects", "tensors", "tensor_bytes")},
+        "sites_grown": last.get("sites_grown", [])[:10],
+        "types_grown": last.get("types_grown", [])[:10],
+    }
+
+
 def _range(samples: list[Sample], attr: str) -> list[int]:
     values = [getattr(s, attr) for s in samples]
     return [min(values), max(values)] if values else []
@@ -127,6 +167,18 @@ def tables(summary: dict[str, Any]) -> list[BenchTable]:
         "-",
         "-",
     )
+    watch = summary.get("memwatch")
+    if watch:
+        t.add_row(
+            "inside the server (memwatch): Python; glibc in use, free; tensors",
+            "; ".join(
+                f"{fmt(watch[f'{k}_mb_per_hour'], '+.2f')}"
+                for k in ("python_traced", "glibc_in_use", "glibc_free", "tensors")
+            )
+            + " MB/h",
+            "-",
+            "-",
+        )
     for name, label in (("open_files", "open files"), ("threads", "threads")):
         slope, span = summary[f"{name}_per_hour"], summary[f"{name}_range"]
         t.add_row(f"{label} (range after warm-up; slope)", f"{span} ; {fmt(slope, '+.2f')}/h", "flat", "-")
@@ -171,6 +223,10 @@ def tables(summary: dict[str, Any]) -> list[BenchTable]:
         f"({summary['steady_samples']} samples); index {fmt(summary['index_mb_per_hour'], '+.2f')} MB/h, "
         f"data files {fmt(summary['data_mb_per_hour'], '+.2f')} MB/h.",
     ]
+    for site in (watch or {}).get("sites_grown", [])[:3]:
+        t.notes.append(
+            f"grew {site['bytes'] / 1e6:+.2f} MB ({site['count']:+d} blocks) at {site['where'][-1]}"
+        )
     if summary["failures"]:
         t.notes.append("failures: " + "; ".join(summary["failures"][:5]))
     if summary["wrong"]:
@@ -186,8 +242,11 @@ def result(
     events: Events,
     wall_s: float,
     model: str,
+    memwatch: list[dict[str, Any]] | None = None,
 ) -> BenchResult:
     summary = summarize(params, samples, turns, checks, events, wall_s)
+    if memwatch:
+        summary["memwatch"] = memwatch_summary(memwatch, params.warmup_s)
     data = {
         "summary": summary,
         "samples": [asdict(s) for s in samples],

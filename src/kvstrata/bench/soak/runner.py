@@ -51,8 +51,9 @@ from kvstrata.bench.soak.process import (
     resident_bytes,
     store_files,
 )
-from kvstrata.bench.soak.report import result
+from kvstrata.bench.soak.report import read_memwatch, result
 from kvstrata.errors import ConfigError
+from kvstrata.server.memwatch import ENV_EVERY, ENV_PATH
 
 TENANT_KEY, ADMIN_KEY = "soak-tenant-key", "soak-admin-key"
 
@@ -80,6 +81,14 @@ def command(
     ] = 128.0,
     ttl: Annotated[float, typer.Option(help="Seconds of TTL of the background sessions.")] = 120.0,
     max_turns: Annotated[int, typer.Option(help="Turns of a conversation before a new session.")] = 12,
+    memwatch: Annotated[
+        bool,
+        typer.Option(
+            "--memwatch",
+            help="The server samples what it holds (tracemalloc, objects by type, tensors, glibc's heap) "
+            "into memwatch.jsonl in the workdir; the report splits RSS growth by them.",
+        ),
+    ] = False,
     workdir_path: WorkdirOption = None,
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
@@ -104,6 +113,7 @@ def command(
             ttl_s=ttl,
             max_turns=max_turns,
             model=model,
+            memwatch=memwatch,
         )
         outcome = run(params, workdir_path=workdir_path, progress=True)
     show(outcome, json_out=json_out, plot=plot)
@@ -125,6 +135,9 @@ def run(params: SoakParams, *, workdir_path: Path | None = None, progress: bool 
         env["KVSTRATA_API_KEYS"] = ",".join(
             [f"{TENANT_KEY}:soak", f"{ADMIN_KEY}::admin", *(f"{k}:ref{i}" for i, k in enumerate(references))]
         )
+        if params.memwatch:
+            env[ENV_PATH] = str(root / "memwatch.jsonl")
+            env[ENV_EVERY] = str(max(params.sample_every_s, 20.0))  # a sample costs seconds
         budgets = ["--l1-budget", str(params.l1_budget_bytes), "--l2-budget", str(params.l2_budget_bytes)]
         budgets += ["--l3-budget", str(params.l3_budget_bytes)]
         server = ServeProcess(model, root / "store", env, budgets, root)
@@ -141,6 +154,7 @@ def run(params: SoakParams, *, workdir_path: Path | None = None, progress: bool 
             soak.events,
             soak.wall_s,
             str(model or "SmolLM2"),
+            memwatch=read_memwatch(root / "memwatch.jsonl"),
         )
 
 
