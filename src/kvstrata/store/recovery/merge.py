@@ -115,6 +115,8 @@ def merge_journal(
         for leftover in base.glob(f"{_TMP_PREFIX}*"):  # a merge a crash cut short
             leftover.unlink(missing_ok=True)
         paths = journal_files(root)  # listed before the live processes are: a file listed was
+        if len(paths) < at_least:  # (an open's usual case: nothing more to read)
+            return 0
         live = live_nonces(root)  # made by a process registered by then, so found live if it is
         candidates = [p for p in paths if journal_writer_nonce(p) not in live]
         if len(candidates) < at_least:
