@@ -178,3 +178,17 @@ def test_a_session_gc_expired_comes_back_with_the_ttl_of_x_session_ttl(server: L
             )
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Session-TTL"
         assert http.get("/v1/sessions/ttl-2").status_code == 404  # nothing made for a refused request
+
+
+def test_the_servers_session_ttl_is_the_default_of_sessions_requests_create(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    root = tmp_path_factory.mktemp("ttl")
+    with live_server(tiny_model(root), root, session_ttl_s=90.0) as srv, srv.http() as http:
+        chat(srv.client(), MESSAGES, "dflt")
+        srv.store.maintenance.collect_garbage(GcConfig(grace_s=0.0), now=time.time() + 120)
+        assert http.get("/v1/sessions/dflt").status_code == 404  # expired with its TTL
+        chat(srv.client(), MESSAGES, "dflt")  # the agent comes back: made again with it
+        assert http.get("/v1/sessions/dflt").json()["ttl_s"] == 90
+        chat(srv.client(), MESSAGES, "own", {"X-Session-TTL": "30"})  # the header wins
+        assert http.get("/v1/sessions/own").json()["ttl_s"] == 30

@@ -104,6 +104,15 @@ def serve(
             "is logged with a count.",
         ),
     ] = 10.0,
+    session_ttl: Annotated[
+        float | None,
+        typer.Option(
+            "--session-ttl",
+            min=0.001,
+            help="Seconds: the TTL of a session a request creates without an X-Session-TTL header "
+            "(kvstrata gc deletes it once idle that long; a session gc expired is made again with it).",
+        ),
+    ] = None,
     background_memory: Annotated[
         str | None,
         typer.Option(
@@ -186,6 +195,7 @@ def serve(
                 max_prompt_tokens=max_prompt_tokens,
                 api_keys=keys,
                 audit_path=audit_log or root / "audit.jsonl",
+                session_ttl_s=session_ttl,
             ),
             on_shutdown=shutdown,
             drain_timeout_s=drain_timeout,

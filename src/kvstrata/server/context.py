@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class ServerConfig:
     """How long the session of a stored response (``POST /v1/responses`` with ``store``) is kept
     after its last use, unless the request named a session of its own (OpenAI keeps stored
     responses 30 days)."""
+    session_ttl_s: float | None = None
+    """The TTL of a session a request creates when it sends no ``X-Session-TTL`` (None: none; gc
+    then keeps it for ``GcConfig.retention_s``)."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 1 or self.max_tokens_limit < 1:
@@ -53,6 +57,10 @@ class ServerConfig:
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
         if not self.response_ttl_s > 0:
             raise ConfigError("response_ttl_s must be > 0")
+        if self.session_ttl_s is not None and not (
+            math.isfinite(self.session_ttl_s) and self.session_ttl_s > 0
+        ):
+            raise ConfigError("session_ttl_s must be a positive number of seconds")
 
     def serves(self, requested: str) -> bool:
         """Whether a request's ``model`` names the served model."""

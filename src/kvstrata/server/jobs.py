@@ -125,12 +125,13 @@ def request_priority(request: Request, service_tier: str | None) -> Priority:
         raise APIError(400, str(exc), param="X-Priority", code="invalid_value") from exc
 
 
-def request_ttl(request: Request) -> float | None:
-    """``X-Session-TTL`` (seconds): the TTL of a session the request creates, so that a session
-    gc expired comes back with the TTL its agent gives it, not as one that never expires."""
+def request_ttl(request: Request, default: float | None = None) -> float | None:
+    """``X-Session-TTL`` (seconds), else ``default`` (``ServerConfig.session_ttl_s``): the TTL of
+    a session the request creates, so that a session gc expired comes back with its TTL, not as
+    one that never expires."""
     header = request.headers.get("x-session-ttl")
     if header is None:
-        return None
+        return default
     try:
         ttl_s = float(header)
     except ValueError:
@@ -210,7 +211,7 @@ def build_job(
         namespace=namespace_for(tenant, body.cache_salt),
         priority=priority,
         sampling=sampling,
-        ttl_s=request_ttl(request),
+        ttl_s=request_ttl(request, ctx.config.session_ttl_s),
         n=body.n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         tokens_as_ids=body.return_tokens_as_token_ids,
