@@ -161,10 +161,11 @@ def serve(
 
         from kvstrata.engine import Engine
         from kvstrata.integrations.transformers.model import load_model
-        from kvstrata.runtime import freeze_startup_heap
+        from kvstrata.runtime import freeze_startup_heap, tune_heap
         from kvstrata.server import ServerConfig, create_app
         from kvstrata.store import KVStore
 
+        tune_heap()  # freed tensors back to the OS, not kept in glibc's arenas (kvstrata.runtime)
         if threads:
             torch.set_num_threads(threads)
         loaded = load_model(model, dtype=_torch_dtype(dtype), progress=stderr_is_terminal())
