@@ -264,8 +264,11 @@ def plot(fig: Any, data: dict[str, Any]) -> None:
     minutes = [s["t_s"] / 60 for s in samples]
     axes = fig.subplots(2, 2, sharex=True)
     (rss, files), (disk, ttft) = axes
-    rss.plot(minutes, [s["rss_bytes"] / 2**20 for s in samples], ".-", ms=3)
-    rss.set_ylabel("RSS MiB")
+    rss.plot(minutes, [s["rss_bytes"] / 2**20 for s in samples], ".-", ms=3, label="RSS")
+    beyond = [(s["rss_bytes"] - s.get("memory_tier_bytes", 0)) / 2**20 for s in samples]
+    rss.plot(minutes, beyond, ".-", ms=3, label="RSS less L1+L2")
+    rss.set_ylabel("MiB")
+    rss.legend(fontsize=7)
     files.plot(minutes, [s["open_files"] for s in samples], ".-", ms=3, label="open files")
     files.plot(minutes, [s["threads"] for s in samples], ".-", ms=3, label="threads")
     files.legend(fontsize=7)
