@@ -19,10 +19,11 @@ from conftest import LAYOUT, token_kv
 EAGER = GcConfig(grace_s=0.0, unreferenced_after_s=0.0)
 SHARED = list(range(40))  # 10 full blocks: a system prompt session A wrote
 OWN = list(range(500, 513))  # what the request computes itself
+OTHER = list(range(1000, 1080))  # other sessions' tokens
 
 
-def _open(root: Path) -> KVStore:
-    config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0, ladder=CodecLadder.exact())
+def _open(root: Path, **config_args: object) -> KVStore:
+    config = StoreConfig(l1_budget_bytes=0, l2_budget_bytes=0, ladder=CodecLadder.exact(), **config_args)  # type: ignore[arg-type]
     return KVStore(root, LAYOUT, model_fingerprint=b"test-model", config=config)
 
 
@@ -91,5 +92,26 @@ def test_a_gc_between_the_lookup_and_the_pin_has_the_blocks_written_again(
         monkeypatch.setattr(Writes, "absent_from_disk", lookup)
         assert ran == [len(SHARED) // LAYOUT.block_tokens]  # gc deleted every block of A
         _finish_and_check(server, SHARED)  # B's append wrote them again from the KV it was given
+    finally:
+        server.close()
+
+
+def test_eviction_in_another_process_keeps_them_too(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    budget = {"l3_budget_bytes": 23 * LAYOUT.bytes_per_block}  # 20 records and their headers
+    server = _open(root, **budget)
+    try:
+        _a_expired_session_wrote_the_prefix(server)
+        b = server.create_session("B")
+        server.append(b, SHARED, token_kv(LAYOUT, SHARED))
+        d = server.create_session("D")  # 10 blocks nobody uses now
+        server.append(d, OTHER[:40], token_kv(LAYOUT, OTHER[:40]))
+        server.checkpoint(d)
+        server.release("D")
+        with _open(root, **budget) as writer:  # another process fills the disk past its budget
+            c = writer.create_session("C")
+            writer.append(c, OTHER[40:], token_kv(LAYOUT, OTHER[40:]))
+            writer.checkpoint(c)
+        _finish_and_check(server, SHARED)
     finally:
         server.close()

@@ -74,7 +74,11 @@ def open_parts(
     catalog: SessionCatalog | None = None
 
     def live_keys() -> list[BlockKey]:
-        return catalog.live_keys() if catalog is not None else []
+        """What eviction keeps: the keys this process's sessions use, and those other live
+        processes pinned (blocks their sessions borrowed before a checkpoint names them)."""
+        own = catalog.live_keys() if catalog is not None else []
+        alive = processes.alive if processes is not None else None
+        return own + [BlockKey(key) for key in index.leases.live_pins(alive)] if alive is not None else own
 
     def evictor(remote: RedisTier | None) -> Evictor | None:
         bounded = config.l3_budget_bytes is not None or any(

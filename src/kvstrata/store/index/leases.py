@@ -105,6 +105,13 @@ class LeaseTable:
         db.executemany("DELETE FROM block_pins WHERE owner = ?", [(owner,) for owner in dead])
         return {bytes(row[0]) for row in db.execute("SELECT key FROM block_pins")}
 
+    def live_pins(self, alive: Callable[[str], bool]) -> set[bytes]:
+        """The keys live processes pin (outside a transaction: what eviction keeps)."""
+        rows = self.db.query("SELECT owner, key FROM block_pins")
+        owners = {str(owner) for owner, _ in rows}
+        living = {owner for owner in owners if alive(owner)}
+        return {bytes(key) for owner, key in rows if owner in living}
+
     def pinned_keys(self) -> set[bytes]:
         return {bytes(row[0]) for row in self.db.query("SELECT key FROM block_pins")}
 

@@ -10,9 +10,10 @@ Blocks a copy in the remote tier still holds go first (a miss there costs a fetc
 recompute), and a namespace over its quota loses its own blocks before anyone else's.
 
 Never evicted: blocks of pinned sessions, blocks sessions of this process are using (appended
-since their last checkpoint, or held by a reader), and the blocks of the write being made room
-for. A session whose block was evicted recomputes from that block on its next turn, as with any
-missing block.
+since their last checkpoint, or held by a reader), blocks another live process pinned (its
+sessions borrowed them before a checkpoint names them, ``block_pins``), and the blocks of the
+write being made room for. A session whose block was evicted recomputes from that block on its
+next turn, as with any missing block.
 
 Crash safety: the victims' index rows are deleted in one transaction first, their files after
 (a crash in between leaves unindexed files, which gc removes); a checkpoint of another process
