@@ -80,8 +80,9 @@ def test_memwatch_lines_split_the_growth() -> None:
             "pid": pid,
             "t_s": t,
             "rss": 500e6 + t / 60 * 1e6,
+            "rss_anon": 400e6 + t / 60 * 1e6,
             "traced": 5e6,
-            "glibc": {"in_use": 200e6, "free": 30e6 + t / 60 * 1e6},
+            "glibc": {"in_use": 200e6, "free": 30e6 + t / 60 * 1e6, "mmapped": 50e6},
             "tensor_bytes": 10e6,
             "objects": 1000,
             **({"sites_grown": [{"bytes": 10, "count": 1, "where": ["x.py:1"]}]} if t else {}),
@@ -93,4 +94,5 @@ def test_memwatch_lines_split_the_growth() -> None:
     assert summary["glibc_free_mb_per_hour"] == pytest.approx(60.0)
     assert summary["rss_mb_per_hour"] == pytest.approx(60.0)
     assert summary["python_traced_mb_per_hour"] == pytest.approx(0.0)
+    assert summary["outside_malloc_mb_per_hour"] == pytest.approx(0.0)
     assert summary["samples"] == 18 and summary["sites_grown"][0]["where"] == ["x.py:1"]

@@ -70,14 +70,14 @@ def glibc_heap() -> dict[str, int]:
 
 
 def process_figures() -> dict[str, int]:
-    """This process's RSS, threads and open files, from /proc."""
-    rss = threads = 0
+    """This process's RSS (of it anonymous and file-backed), threads and open files, from /proc."""
+    fields = {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file", "Threads:": "threads"}
+    figures = dict.fromkeys(fields.values(), 0)
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) * 1024
-        elif line.startswith("Threads:"):
-            threads = int(line.split()[1])
-    return {"rss": rss, "threads": threads, "open_files": len(os.listdir("/proc/self/fd"))}
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in fields:
+            figures[fields[parts[0]]] = int(parts[1]) * (1 if parts[0] == "Threads:" else 1024)
+    return {**figures, "open_files": len(os.listdir("/proc/self/fd"))}
 
 
 def objects_by_type() -> tuple[Counter[str], int, int]:

@@ -100,9 +100,14 @@ MEMWATCH_SERIES = {
     "glibc_in_use": lambda m: m["glibc"].get("in_use", 0),
     "glibc_free": lambda m: m["glibc"].get("free", 0),
     "tensors": lambda m: m["tensor_bytes"],
+    "outside_malloc": lambda m: (
+        m.get("rss_anon", 0) - sum(m["glibc"].get(k, 0) for k in ("in_use", "free", "mmapped"))
+    ),
 }
 """What :mod:`kvstrata.server.memwatch` splits RSS into: Python's allocations (tracemalloc), glibc's
-heap in use and free inside it (fragmentation), torch tensors' storage."""
+heap in use and free inside it (fragmentation), torch tensors' storage, and the anonymous RSS glibc's
+heap does not hold (thread stacks, native libraries' own mappings; free heap pages already given
+back make it an estimate)."""
 
 
 def read_memwatch(path: Path) -> list[dict[str, Any]]:
@@ -170,10 +175,10 @@ def tables(summary: dict[str, Any]) -> list[BenchTable]:
     watch = summary.get("memwatch")
     if watch:
         t.add_row(
-            "inside the server (memwatch): Python; glibc in use, free; tensors",
+            "inside the server (memwatch): Python; glibc in use, free; tensors; outside malloc",
             "; ".join(
                 f"{fmt(watch[f'{k}_mb_per_hour'], '+.2f')}"
-                for k in ("python_traced", "glibc_in_use", "glibc_free", "tensors")
+                for k in ("python_traced", "glibc_in_use", "glibc_free", "tensors", "outside_malloc")
             )
             + " MB/h",
             "-",
