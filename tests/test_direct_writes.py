@@ -10,6 +10,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.store.kvbin import record_trailer
 from kvstrata.store.tiers.disk import direct_writes
+from kvstrata.store.writer import BackgroundWriter
 
 from conftest import LAYOUT, make_block, token_kv
 from stored import records
@@ -173,13 +175,16 @@ def test_a_direct_write_refused_midway_writes_the_batch_again(
     assert not list((tmp_path / "store" / "tmp").iterdir())
 
 
-def _first_write_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The next ``pwrite`` fails with ``EIO``, the later ones write; the list empties once it has."""
+def _first_write_fails(monkeypatch: pytest.MonkeyPatch, when: threading.Event | None = None) -> list[int]:
+    """The next ``pwrite`` fails with ``EIO``, the later ones write; the list empties once it has.
+    ``when``: the failing write waits for it first (the writer thread may reach it early)."""
     real_pwrite = os.pwrite
     failures = [1]
 
     def fail_once(fd: int, data: object, offset: int) -> int:
         if failures:
+            if when is not None:
+                assert when.wait(30), "the checkpoint never waited for the write"
             failures.pop()
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
@@ -199,7 +204,18 @@ def test_a_failed_early_write_fails_the_whole_batch(
     first = list(range(4 * LAYOUT.block_tokens))
     store.append(session, first, token_kv(LAYOUT, first))
     store.checkpoint(session)
-    failures = _first_write_fails(monkeypatch)
+    # the append hands its blocks to the background writer at once; on a loaded machine its batch
+    # could fail before the checkpoint waits for it, and the checkpoint would then rightly write
+    # them again: the failure is held until the checkpoint waits (CI failed so once)
+    waiting = threading.Event()
+    flush = BackgroundWriter.flush
+
+    def checkpoint_waits(self: BackgroundWriter, *args: object, **kwargs: object) -> bool:
+        waiting.set()
+        return flush(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BackgroundWriter, "flush", checkpoint_waits)
+    failures = _first_write_fails(monkeypatch, when=waiting)
     more = list(range(len(first), len(first) + 12 * LAYOUT.block_tokens))
     store.append(session, more, token_kv(LAYOUT, more, len(first)))
     with pytest.raises(TierUnavailableError, match="previous checkpoint stays valid"):
