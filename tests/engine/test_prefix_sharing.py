@@ -262,3 +262,31 @@ def test_a_waiter_whose_blocks_another_request_stored_first_still_gets_the_whole
     assert interactive.cached_tokens == 0 and realtime.cached_tokens == 0
     assert background.cached_tokens == len(SHARED)
     assert run.computed == 2 * len(SHARED) + 3 * SUFFIX
+
+
+def test_a_request_arriving_after_the_blocks_were_stored_takes_the_rest_from_a_running_row(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """Agent 0 computed the shared prefix and saved its full blocks; it still decodes when agent 2
+    arrives, which never waited for it: agent 2 loads the 25 stored blocks and takes the 5 tokens
+    past them from agent 0's row (it computed them; no stored block holds them), not recomputed."""
+    run = Engines(tiny, tmp_path / "store", share=True)
+    later: dict[str, object] = {}
+    try:
+
+        def arrive_once_its_blocks_are_stored(report: StepReport) -> None:
+            running = run.engine._inflight.values()
+            owner = next((i for i in running if i.request.session_id == "agent-0"), None)
+            if owner is not None and owner.saved >= len(SHARED) and not owner.saving and not later:
+                later["late"] = run.engine.submit(request(2, "background"))
+
+        run.engine.add_step_listener(arrive_once_its_blocks_are_stored)
+        # agent 0 decodes past its first incremental checkpoint (256 tokens) and goes on for long
+        # enough that agent 2's open runs while it is in the batch
+        first = run.engine.submit(request(0, tokens=200)).result(timeout=TIMEOUT)
+        late = later["late"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+    finally:
+        run.close()
+    assert first.cached_tokens == 0
+    assert late.cached_tokens == len(SHARED)  # 200 from the store, 5 from agent 0's row
+    assert run.computed == len(SHARED) + 2 * SUFFIX

@@ -13,7 +13,9 @@ a block boundary; no stored block can give them) and computes only the rest. Tho
 copied out of the row when the waiter is reopened (:meth:`ComputingPrefixes.lendable`), from
 positions the step thread writes no more, so a waiter gets them whatever the threads' timing;
 while that request has not computed them yet (another request stored the shared blocks first),
-the waiter waits for it again.
+the waiter waits for it again (it lends them at its next step). A request that arrives once the
+shared blocks are stored, or whose open runs late, takes those tokens from any running row that
+computed them (:meth:`ComputingPrefixes._tail`).
 A request that ends (finished, cancelled or failed) releases what it registered, and its waiters
 look again (computing themselves what nobody computes any more). A request never waits for one
 of a less demanding class (the step scheduler may put that one's prefill after its own).
@@ -40,6 +42,8 @@ KeyChain = Callable[[str, Sequence[int]], list[BlockKey]]
 
 @dataclass(slots=True)
 class _Computing:
+    inflight: InFlight
+    """The request computing them."""
     blocks: list[tuple[int, BlockKey]]
     """(end position, key) of the prompt's full blocks the request computes, in order."""
     waiters: list[InFlight] = field(default_factory=list)
@@ -95,23 +99,40 @@ class ComputingPrefixes:
         return self._tail(inflight, held * self.block_tokens, rank)
 
     def _tail(self, inflight: InFlight, start: int, rank: int) -> InFlight | None:
-        """The request ``inflight`` waited for, when it is still running and computes tokens of
-        ``inflight``'s prompt past the ``start`` tokens the store holds that it has not lent yet
-        (a block's part past the shared full blocks, when another request stored those blocks
-        first): ``inflight`` is lent them at that request's next checkpoint or its end rather
-        than compute them. None otherwise."""
-        owner = inflight.waited_on
-        if owner is None or owner.closed or owner.request_id not in self._by_request or not _lends(owner):
-            return None
-        if Priority(owner.request.priority).rank > rank:
-            return None
-        shared = common_prefix(inflight.prompt_ids[: len(inflight.prompt_ids) - 1], owner.prompt_ids)
+        """Past the ``start`` tokens the store holds, the tokens of ``inflight``'s prompt that a
+        running request computed (a block's part past the shared full blocks: a system prompt
+        rarely ends on a block boundary, and no stored block gives them): the request
+        ``inflight`` waited for is asked first, then any other running one whose prompt shares
+        more (the request that stored those blocks first may be another one, or may have ended).
+        When the lender's row holds them already, they are lent now and None is returned (the
+        request opens at once); when it has not computed them yet, the lender is returned and the
+        request waits for it (only for one of a class at least as demanding), to be lent them at
+        its next step's checkpoint or its end rather than compute them. None when nobody runs
+        that computes more of the prompt than ``inflight`` was lent."""
+        mine = inflight.prompt_ids[: len(inflight.prompt_ids) - 1]  # the last token is computed
         lent = start
         if inflight.lent is not None:
             begin, kv = inflight.lent
             if begin <= start < begin + kv.shape[3]:
                 lent = begin + kv.shape[3]
-        return owner if lent < shared else None
+        waited = inflight.waited_on
+        lenders = [waited] if waited is not None and waited.request_id in self._by_request else []
+        lenders += [c.inflight for c in self._by_request.values() if c.inflight not in (waited, inflight)]
+        for owner in lenders:
+            if owner.closed or owner.failure is not None or owner.row is None or not _lends(owner):
+                continue
+            if owner.prompt_ids[:start] != mine[:start]:
+                continue  # (its blocks are another prefix's)
+            shared = common_prefix(mine, owner.prompt_ids)
+            if shared <= lent:
+                continue
+            if owner.published >= shared:
+                inflight.waited_on = owner
+                self.lend(inflight)
+                return None
+            if Priority(owner.request.priority).rank <= rank:
+                return owner
+        return None
 
     def wait(self, inflight: InFlight, owner: InFlight) -> None:
         """``inflight`` waits for ``owner``'s blocks; ``owner`` saves them as soon as it computes them."""
@@ -129,7 +150,7 @@ class ComputingPrefixes:
         blocks = [((i + 1) * bt, key) for i, key in enumerate(chain) if (i + 1) * bt > prefix.num_tokens]
         if not blocks:
             return
-        self._by_request[inflight.request_id] = _Computing(blocks)
+        self._by_request[inflight.request_id] = _Computing(inflight, blocks)
         for _, key in blocks:
             self._owner.setdefault(key, inflight)
 

@@ -215,8 +215,8 @@ class SessionJobs:
         # tokens computed while it is saved must stay within the bound a kill -9 may lose
         if upto - inflight.saved >= max(bt, self.store.config.checkpoint_every_tokens // 2):
             return upto
-        if inflight.awaited and upto > inflight.saved:
-            return upto  # another request waits for these blocks
+        if inflight.awaited and (upto > inflight.saved or row.length > inflight.published):
+            return upto  # another request waits for these blocks, or for the row's tokens past them
         return None
 
     def take_due(self, running: list[InFlight]) -> list[tuple[InFlight, int, list[int]]]:
