@@ -290,3 +290,37 @@ def test_a_request_arriving_after_the_blocks_were_stored_takes_the_rest_from_a_r
     assert first.cached_tokens == 0
     assert late.cached_tokens == len(SHARED)  # 200 from the store, 5 from agent 0's row
     assert run.computed == len(SHARED) + 2 * SUFFIX
+
+
+def test_a_running_row_is_never_lent_to_another_namespace(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Agent 0 (namespace ``default``) computed its prompt and still decodes when two requests
+    arrive whose prompts share its first 5 tokens (less than a block: the store holds none of them):
+    the one in the same namespace takes those 5 tokens from agent 0's row; the one of another tenant
+    computes them itself (the soak's recompute in a fresh tenant found 18 tokens taken otherwise)."""
+    run = Engines(tiny, tmp_path / "store", share=True)
+    later: dict[str, object] = {}
+    head = SHARED[:5] + [(7 * j) % 100 + 150 for j in range(30)]
+
+    def arrive(session: str, namespace: str) -> object:
+        sampling = SamplingParams(4, 0.0, ignore_eos=True)
+        return run.engine.submit(
+            GenerationRequest(session, prompt_ids=head, sampling=sampling, namespace=namespace)
+        )
+
+    try:
+
+        def arrive_while_it_decodes(report: StepReport) -> None:
+            running = run.engine._inflight.values()
+            owner = next((i for i in running if i.request.session_id == "agent-0"), None)
+            if owner is not None and owner.saved >= len(SHARED) and not owner.saving and not later:
+                later["same"] = arrive("same-tenant", "default")
+                later["other"] = arrive("other-tenant", "tenant-b")
+
+        run.engine.add_step_listener(arrive_while_it_decodes)
+        run.engine.submit(request(0, tokens=200)).result(timeout=TIMEOUT)
+        same = later["same"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+        other = later["other"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
+    finally:
+        run.close()
+    assert same.cached_tokens == 5  # taken from agent 0's row, in its namespace
+    assert other.cached_tokens == 0

@@ -118,14 +118,15 @@ class ComputingPrefixes:
         waited = inflight.waited_on
         lenders = [waited] if waited is not None and waited.request_id in self._by_request else []
         lenders += [c.inflight for c in self._by_request.values() if c.inflight not in (waited, inflight)]
+        namespace = inflight.request.namespace
         for owner in lenders:
             if owner.closed or owner.failure is not None or owner.row is None or not _lends(owner):
                 continue
-            if owner.prompt_ids[:start] != mine[:start]:
-                continue  # (its blocks are another prefix's)
+            if owner.request.namespace != namespace or owner.prompt_ids[:start] != mine[:start]:
+                continue  # another tenant's row is never lent (nor one of another prefix)
             shared = common_prefix(mine, owner.prompt_ids)
-            if shared <= lent:
-                continue
+            if shared <= lent or shared // self.block_tokens * self.block_tokens > start:
+                continue  # nothing more, or a full block past ``start`` that nobody computes now
             if owner.published >= shared:
                 inflight.waited_on = owner
                 self.lend(inflight)
