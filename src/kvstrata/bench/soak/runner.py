@@ -4,8 +4,8 @@ One ``kvstrata serve`` (a child process, API keys on, budgets small enough that 
 ``--agents`` asyncio clients of mixed classes (:mod:`.agents`): realtime agents every 2 s,
 interactive every 5 s, background every 15 s (``--pace`` scales them), each holding one
 conversation after another; interactive agents fork and delete forks, background sessions carry a
-TTL and are abandoned. Every ``--gc-every`` seconds ``kvstrata gc --compact`` runs beside the
-server (another process, as a cron job would); every ``--restart-every`` seconds the clients
+TTL and are abandoned. Every ``--gc-every`` minutes ``kvstrata gc --compact`` runs beside the
+server (another process, as a cron job would); every ``--restart-every`` minutes the clients
 pause, the server stops (SIGTERM, or ``kill -9`` every ``--kill-every``-th time) and starts again
 on the same store. Every ``--sample-every`` seconds the run reads the server's RSS, open files and
 threads (``/proc``), the store's data files (allocated blocks) and index, the pages of both in the
