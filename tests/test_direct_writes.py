@@ -175,16 +175,13 @@ def test_a_direct_write_refused_midway_writes_the_batch_again(
     assert not list((tmp_path / "store" / "tmp").iterdir())
 
 
-def _first_write_fails(monkeypatch: pytest.MonkeyPatch, when: threading.Event | None = None) -> list[int]:
-    """The next ``pwrite`` fails with ``EIO``, the later ones write; the list empties once it has.
-    ``when``: the failing write waits for it first (the writer thread may reach it early)."""
+def _first_write_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The next ``pwrite`` fails with ``EIO``, the later ones write; the list empties once it has."""
     real_pwrite = os.pwrite
     failures = [1]
 
     def fail_once(fd: int, data: object, offset: int) -> int:
         if failures:
-            if when is not None:
-                assert when.wait(30), "the checkpoint never waited for the write"
             failures.pop()
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
@@ -206,16 +203,21 @@ def test_a_failed_early_write_fails_the_whole_batch(
     store.checkpoint(session)
     # the append hands its blocks to the background writer at once; on a loaded machine its batch
     # could fail before the checkpoint waits for it, and the checkpoint would then rightly write
-    # them again: the failure is held until the checkpoint waits (CI failed so once)
+    # them again (CI failed so once): the writer holds its next batch until the checkpoint waits
     waiting = threading.Event()
-    flush = BackgroundWriter.flush
+    flush, write = BackgroundWriter.flush, BackgroundWriter._write
 
     def checkpoint_waits(self: BackgroundWriter, *args: object, **kwargs: object) -> bool:
         waiting.set()
         return flush(self, *args, **kwargs)  # type: ignore[arg-type]
 
+    def once_the_checkpoint_waits(self: BackgroundWriter, batch: list[object]) -> list[Exception | None]:
+        assert waiting.wait(30), "the checkpoint never waited for the write"
+        return write(self, batch)  # type: ignore[arg-type]
+
     monkeypatch.setattr(BackgroundWriter, "flush", checkpoint_waits)
-    failures = _first_write_fails(monkeypatch, when=waiting)
+    monkeypatch.setattr(BackgroundWriter, "_write", once_the_checkpoint_waits)
+    failures = _first_write_fails(monkeypatch)
     more = list(range(len(first), len(first) + 12 * LAYOUT.block_tokens))
     store.append(session, more, token_kv(LAYOUT, more, len(first)))
     with pytest.raises(TierUnavailableError, match="previous checkpoint stays valid"):
