@@ -175,7 +175,9 @@ def test_a_realtime_request_does_not_wait_for_an_interactive_prefill(
                 run.engine._worker.wait_idle(TIMEOUT)  # both opened while agent 0 computes
 
         run.engine.add_step_listener(arrive_during_its_prefill)
-        interactive = run.engine.submit(request(0)).result(timeout=TIMEOUT)
+        # agent 0 decodes long enough to be running still when the background request opens (its open
+        # is queued by the step thread and may run only after the realtime request ended)
+        interactive = run.engine.submit(request(0, tokens=48)).result(timeout=TIMEOUT)
         realtime = later["realtime"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
         background = later["background"].result(timeout=TIMEOUT)  # type: ignore[attr-defined]
     finally:
