@@ -5,6 +5,7 @@ through the page cache, nothing lost; a failed write fails its whole batch, neve
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -251,6 +252,52 @@ def test_an_error_found_by_a_later_add_fails_the_records_added_before(
     assert not any(store.disk.cache.get(block.key) for block in blocks)
     assert store.disk.put_many(blocks) == [None] * len(blocks)  # and they go in whole afterwards
     assert all(store.disk.get(block.key) is not None for block in blocks)
+
+
+def _open_fds() -> set[str]:
+    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if _is_link(fd)}
+
+
+def _is_link(fd: str) -> bool:
+    try:
+        os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed since
+        return False
+    return True
+
+
+def test_a_batch_abandoned_by_a_bug_leaves_no_file_and_no_descriptor(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch, small_buffers: None
+) -> None:
+    """A write in an I/O thread that fails with something other than an ``OSError`` (a bug) while
+    the batch goes on: the error escapes ``add``, the background writer gives the batch up and
+    keeps the blocks; the batch's temp file and descriptor go with it (before, both stayed behind
+    until the process ended), and the next checkpoint writes every block (L1 keeps them)."""
+    store = open_store(l1_budget_bytes=64 * LAYOUT.bytes_per_block)
+    session = store.create_session("s")
+    real_pwrite = os.pwrite
+    failures = [1]
+
+    def bug_once(fd: int, data: object, offset: int) -> int:
+        if failures:
+            failures.pop()
+            raise RuntimeError("a bug in a write")
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    before = _open_fds()
+    monkeypatch.setattr(os, "pwrite", bug_once)
+    tokens = list(range(40 * LAYOUT.block_tokens))
+    store.append(session, tokens, token_kv(LAYOUT, tokens))
+    with contextlib.suppress(TierUnavailableError):  # raises unless the writer failed before it waited
+        store.checkpoint(session)
+    assert not failures  # the write did fail
+    store.flush()  # the writer settled the failed group (it hung here before the fix)
+    assert not list((store.root / "tmp").iterdir())
+    assert not any(path.startswith(str(store.root / "tmp")) for path in _open_fds() - before)
+    store.checkpoint(session)  # the bug is over: every block is written
+    store.close()
+    reopened = open_store(l1_budget_bytes=0, l2_budget_bytes=0)
+    assert torch.equal(reopened.load(reopened.session("s")).kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])

@@ -302,6 +302,55 @@ def test_a_write_that_ends_an_outage_ends_it_before_the_flush_waiting_for_it_ret
         writer.close()
 
 
+def test_a_group_whose_later_add_raises_is_given_up_and_its_blocks_reported_failed() -> None:
+    """Blocks that joined an open group commit while it lingered, then made its ``add`` raise (a
+    bug, or an error the tier does not turn into results): the group is aborted and every block
+    of it, those of the late add included, is reported failed. Before, the late blocks stayed in
+    flight for ever, and every later flush (a checkpoint, the store's close) hung."""
+    from kvstrata.store.writer import BackgroundWriter
+
+    class Stream:
+        def __init__(self) -> None:
+            self.adds = 0
+            self.aborted = False
+
+        def add(self, blocks: list[KVBlock]) -> None:
+            self.adds += 1
+            if self.adds == 2:
+                raise RuntimeError("a bug in the second add")
+
+        def commit(self) -> list[Exception | None]:
+            raise AssertionError("an aborted group is not committed")
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    streams: list[Stream] = []
+
+    def open_stream() -> Stream:
+        streams.append(Stream())
+        return streams[-1]
+
+    failed: list[KVBlock] = []
+    writer = BackgroundWriter(
+        write_many=lambda blocks: [None] * len(blocks),
+        open_stream=open_stream,
+        max_batch_blocks=8,
+        linger_s=0.5,
+        on_failure=lambda block, error: failed.append(block),
+    )
+    try:
+        writer.submit(make_block(LAYOUT, 0))
+        time.sleep(0.1)  # the group is open and lingers for more
+        writer.submit(make_block(LAYOUT, 1))
+        assert writer.flush(timeout=10)  # before: False (and without a timeout, a hang)
+        assert streams[0].aborted
+        assert {block.key for block in failed} == {make_block(LAYOUT, i).key for i in (0, 1)}
+        assert not writer.pending_keys()
+    finally:
+        writer.close()
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-writes", "page-cache-writes"])
 def test_disk_full_is_reported_once_and_writing_resumes(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, direct: bool

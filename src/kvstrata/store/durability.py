@@ -276,3 +276,9 @@ class _Stream:
         written = sum(1 for error in results if error is None)
         self._saved(self.busy_s + time.perf_counter() - started, written)
         return self.errors
+
+    def abort(self) -> None:
+        """Give the group up: the tier's batch removes what it wrote; nothing is reported done."""
+        if self.batch is not None:
+            self.batch.abort()
+        self._later.clear()

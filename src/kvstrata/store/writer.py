@@ -42,6 +42,10 @@ class WriteStream(Protocol):
         """One result per block added, in order."""
         ...
 
+    def abort(self) -> None:
+        """Give the group up (adding to it failed): nothing of it stays behind."""
+        ...
+
 
 class BackgroundWriter:
     def __init__(
@@ -196,13 +200,17 @@ class BackgroundWriter:
         if self._open_stream is None:
             return self._write_many(batch)
         stream = self._open_stream()
-        stream.add(batch)
-        size = sum(self._size(block) for block in batch)
-        while more := self._take_more(len(batch), size):
-            stream.add(more)
-            batch += more
-            size += sum(self._size(block) for block in more)
-        return stream.commit()
+        try:
+            stream.add(batch)
+            size = sum(self._size(block) for block in batch)
+            while more := self._take_more(len(batch), size):
+                batch += more  # in flight now: the caller settles them even if the add raises
+                stream.add(more)
+                size += sum(self._size(block) for block in more)
+            return stream.commit()
+        except BaseException:
+            stream.abort()  # its temp file and descriptor must not outlive it (the caller retries)
+            raise
 
     def _run(self) -> None:
         single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)

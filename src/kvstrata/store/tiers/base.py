@@ -93,6 +93,10 @@ class WriteBatch(Protocol):
         """One result per block added, in order (None: stored)."""
         ...
 
+    def abort(self) -> None:
+        """Give the batch up without indexing anything (what it holds on disk is removed)."""
+        ...
+
 
 @runtime_checkable
 class BatchWrites(Protocol):

@@ -248,6 +248,20 @@ class DiskBatch:
             self._index(written, own_file)
         return self.results
 
+    def abort(self) -> None:
+        """Give the batch up (its producer failed): close its file once the writes in flight are
+        done and remove it; nothing of it is indexed. Safe to call after :meth:`commit`."""
+        if self._fd is not None:
+            try:
+                if self._direct is not None:
+                    self._direct.close()
+                else:
+                    os.close(self._fd)
+            finally:
+                self._direct = None
+                self._fd = None
+        self.tmp.unlink(missing_ok=True)
+
     def _append_info(self, written: list[Pending]) -> None:
         """End the segment with its info record (the store's id, each record's namespace): what
         a rebuild of the index needs beyond the records themselves."""

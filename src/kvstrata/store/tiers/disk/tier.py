@@ -173,8 +173,12 @@ class DiskTier:
         stored, else the error (``TierUnavailableError`` on a full or failing disk, or no room in
         the L3 budget that the evictor could not free)."""
         batch = self.open_batch()
-        batch.add(blocks, replace)
-        return batch.commit()
+        try:
+            batch.add(blocks, replace)
+            return batch.commit()
+        except BaseException:
+            batch.abort()
+            raise
 
     def open_batch(self) -> DiskBatch:
         """A group commit to add blocks to as they come (the background writer's checkpoints)."""
