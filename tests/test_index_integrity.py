@@ -124,6 +124,29 @@ def test_a_schema_whose_text_is_not_utf8_is_a_kvstrata_error_of_one_line(
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("name", "miscased"), [(b"pinned", b"pInned"), (b"file_id", b"filE_id")])
+def test_a_column_name_whose_case_a_flipped_bit_changed_is_refused_in_one_line(
+    open_store: Factory, tmp_path: Path, name: bytes, miscased: bytes
+) -> None:
+    """One bit (0x20) flipped in a column's name in the schema: SQLite still matches the name
+    without case, but a result column came back under the new name (a ``KeyError`` in a listing,
+    from the fuzz suite's seed 86,341). The index is refused at open, and the commands say so in
+    one line."""
+    root = tmp_path / "store"
+    _store_with_session(open_store, root)
+    data = bytearray((root / "index.sqlite").read_bytes())
+    at = data.index(b" " + name + b" ") + 1  # the first mention: in the schema, on the first pages
+    data[at : at + len(name)] = miscased
+    (root / "index.sqlite").write_bytes(bytes(data))
+    with pytest.raises(StoreFormatError, match="index is damaged") as refused:
+        open_store(root)
+    assert miscased.decode() in str(refused.value) and "\n" not in str(refused.value)
+    for args in (["sessions", "list"], ["store", "stats"], ["gc"]):
+        result = CliRunner().invoke(app, [*args, "--store", str(root)])
+        assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, (args, result.output)
+        assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize(("table", "column"), [("sessions", "id"), ("blocks", "file_id"), ("meta", "value")])
 def test_a_row_whose_text_is_not_utf8_is_a_kvstrata_error(
     open_store: Factory, tmp_path: Path, table: str, column: str

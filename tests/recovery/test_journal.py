@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sqlite3
+import struct
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,28 @@ def test_durability_sets_how_the_index_commits(tmp_path: Path) -> None:
         StoreConfig(durability="sometimes")
     mode = sqlite3.connect(tmp_path / "strict" / "index.sqlite").execute("PRAGMA journal_mode").fetchone()
     assert mode == ("wal",)
+
+
+def test_a_journal_header_naming_a_huge_length_is_not_read_at_open(tmp_path: Path) -> None:
+    """A flipped bit in the length fields of a journal file's first header (the fuzz suite's seed
+    73,335): the open read that many bytes to learn the store's identity, and raised
+    ``MemoryError``. The length is checked against the file first; the store opens and serves."""
+    from kvstrata.keys import KEY_BYTES
+    from kvstrata.store.kvbin import LAYOUT_FINGERPRINT_BYTES
+    from kvstrata.store.recovery.opening import journal_identity
+
+    root = tmp_path / "store"
+    store = _open(root)
+    tokens = list(range(3 * LAYOUT.block_tokens))
+    _checkpoint(store, "s", tokens)
+    store.close()
+    assert journal_identity(root) is not None
+    payload_len_at = struct.calcsize(f"<8sHHBBH{LAYOUT_FINGERPRINT_BYTES}s{KEY_BYTES}sIII")
+    for path in journal_files(root):
+        with path.open("r+b") as f:
+            f.seek(payload_len_at)
+            f.write(struct.pack("<Q", 1 << 50))
+    assert journal_identity(root) is None  # no readable header left: nothing is known from them
+    store = _open(root)
+    assert store.load(store.session("s")).num_tokens == len(tokens)
+    store.close()

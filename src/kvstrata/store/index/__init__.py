@@ -63,6 +63,12 @@ class Index:
             elif not self.db.columns("meta"):
                 raise StoreFormatError(f"{path} holds no kvstrata index")
             self.layout, version = self.db.check_layout(layout)
+            for table in (session_rows.TABLE, block_rows.TABLE, documents.ROWS):
+                if damaged := table.miscased(self.db.columns(table.name)):
+                    raise StoreFormatError(
+                        f"{path}: the index is damaged (its {table.name} table names a column "
+                        f"{damaged[0]!r}); `kvstrata fsck` checks it"
+                    )
             # a record is its block's bytes (twice that for the loosest codec) plus its header and
             # parameters: a row naming more is damage, never the size of a read
             limits = RowLimits(2 * self.layout.bytes_per_block + (1 << 20), self.layout.block_tokens)

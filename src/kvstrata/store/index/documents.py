@@ -69,12 +69,12 @@ class DocumentRow:
         )
 
 
-_TABLE = Table(
+ROWS = Table(
     TABLE, (*columns_of(DocumentRow), Column("crc", "INTEGER NOT NULL")), ("namespace", "session_id", "name")
 )
-SCHEMA = _TABLE.ddl() + f"CREATE INDEX IF NOT EXISTS {TABLE}_by_name ON {TABLE} (namespace, name);\n"
-_COLUMNS = ", ".join(_TABLE.names)
-_INSERT = _TABLE.insert()
+SCHEMA = ROWS.ddl() + f"CREATE INDEX IF NOT EXISTS {TABLE}_by_name ON {TABLE} (namespace, name);\n"
+_COLUMNS = ", ".join(ROWS.names)
+_INSERT = ROWS.insert()
 
 
 def _checked(raw: Sequence[object]) -> DocumentRow:

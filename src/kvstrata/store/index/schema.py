@@ -81,6 +81,13 @@ class Table:
             out.append(c.name if c.name in have or c.added is None else f"{c.added} AS {c.name}")
         return ", ".join(out)
 
+    def miscased(self, present: Iterable[str]) -> list[str]:
+        """Stored column names that differ from one of the table's only by case: SQLite matches
+        names without case, so a flipped bit in the stored schema (``pinned`` -> ``pInned``) would
+        otherwise rename a result column unnoticed."""
+        known = {name.lower(): name for name in self.names}
+        return [name for name in present if known.get(name.lower(), name) != name]
+
     def missing(self, conn: sqlite3.Connection) -> list[Column]:
         """The added columns the stored table lacks."""
         present = {r[1] for r in conn.execute(f"PRAGMA table_info({self.name})").fetchall()}

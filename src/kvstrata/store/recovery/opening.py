@@ -4,6 +4,7 @@ over data files that an index it cannot see still describes."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from kvstrata.config import StoreConfig
@@ -30,6 +31,8 @@ def journal_identity(root: Path) -> tuple[str, KVLayout | None] | None:
             with path.open("rb") as f:
                 head = f.read(HEADER_BYTES)
                 header = parse_header(head, path, kind=KIND_JOURNAL_HEADER)
+                if header.total_bytes > os.fstat(f.fileno()).st_size:  # a damaged length: not read
+                    continue
                 data = head + f.read(header.total_bytes - HEADER_BYTES)
             info = read_file_info(data, KIND_JOURNAL_HEADER, path)
             return info.store_id, KVLayout.from_json(info.layout) if info.layout else None
