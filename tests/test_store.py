@@ -351,6 +351,35 @@ def test_a_group_whose_later_add_raises_is_given_up_and_its_blocks_reported_fail
         writer.close()
 
 
+def test_a_failed_checkpoint_names_its_own_blocks_error_after_another_write_ended_the_outage(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One tenant's blocks refused by L3 (no room for its namespace) while another tenant's are
+    written: the writer's outage is over, but the refused blocks keep their own error, and that is
+    what a checkpoint of them reports (before: "not found in any tier", as a soak saw it)."""
+    from kvstrata.store.tiers.disk.batch import DiskBatch
+
+    add = DiskBatch.add
+
+    def no_room_for_a(self: DiskBatch, blocks: object, replace: object = None) -> None:
+        self._refusals = lambda writes, growth: {"a"}  # type: ignore[method-assign]
+        add(self, blocks, replace)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskBatch, "add", no_room_for_a)
+    store = open_store(l1_budget_bytes=64 * LAYOUT.bytes_per_block)
+    tokens = list(range(3 * LAYOUT.block_tokens))
+    refused = store.create_session("s", "a")
+    store.append(refused, tokens, token_kv(LAYOUT, tokens))
+    with pytest.raises(TierUnavailableError, match="no room in L3 for namespace a"):
+        store.checkpoint(refused)
+    written = store.create_session("s", "b")
+    store.append(written, tokens[:-1], token_kv(LAYOUT, tokens[:-1]))
+    store.checkpoint(written)
+    writes = store.tiered.writes
+    assert writes.outage() is None  # the writer's outage ended with b's write
+    assert "no room in L3 for namespace a" in (writes.outage(refused.block_keys) or "")
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-writes", "page-cache-writes"])
 def test_disk_full_is_reported_once_and_writing_resumes(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, direct: bool

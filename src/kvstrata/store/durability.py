@@ -49,7 +49,8 @@ class DiskWriter:
         self.counters = counters
         self._seal = seal
         self._after_write = after_write
-        self.failed: set[BlockKey] = set()
+        self.failed: dict[BlockKey, str] = {}
+        """Blocks whose last write failed, each with its error (they wait in memory for a retry)."""
         self._replace: set[BlockKey] = set()
         self._writer = BackgroundWriter(
             write_many=self._write_many,
@@ -96,9 +97,9 @@ class DiskWriter:
     def durable(self, key: BlockKey) -> bool:
         return self.disk.contains(key)
 
-    def has_failed(self, key: BlockKey) -> bool:
-        """Whether ``key``'s last write failed (it waits in memory for a retry)."""
-        return key in self.failed
+    def failure(self, keys: Iterable[BlockKey]) -> str | None:
+        """Why the last write of the first of ``keys`` that failed failed (None: none did)."""
+        return next((self.failed[key] for key in keys if key in self.failed), None)
 
     def loss_rank_of(self, key: BlockKey, *, absent_from_disk: bool = False) -> int | None:
         """Loss rank of the best copy of ``key`` on its way to L3 or in it (None: neither);
@@ -179,7 +180,7 @@ class DiskWriter:
 
     def _written(self, block: KVBlock, error: Exception | None) -> None:
         if error is None:
-            self.failed.discard(block.key)
+            self.failed.pop(block.key, None)
             if self._after_write is not None:
                 self._after_write(block)
 
@@ -193,7 +194,7 @@ class DiskWriter:
 
     def _on_failure(self, block: KVBlock, error: Exception) -> None:
         self.counters.write_failures += 1
-        self.failed.add(block.key)
+        self.failed[block.key] = str(error)
 
     def make_durable(
         self,

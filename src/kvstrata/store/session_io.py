@@ -363,7 +363,7 @@ class SessionIO:
             if missing:
                 raise TierUnavailableError(
                     f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not "
-                    f"be written to L3 ({self._writes.outage() or 'not found in any tier'}); the "
+                    f"be written to L3 ({self._writes.outage(missing) or 'not found in any tier'}); the "
                     "previous checkpoint stays valid"
                 )
             session.version += 1

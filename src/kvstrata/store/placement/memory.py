@@ -375,7 +375,7 @@ class MemoryTiers:
             self.counters.dropped_dirty += 1
             log.warning("dropping block %s: no memory tier can keep it and L3 is failing", key.hex()[:16])
             return
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH and not writer.has_failed(key):
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH and key not in writer.failed:
             # written to L3 when it was made, and gone from there since: evicted (or collected)
             # as not worth keeping; writing it back would only evict something else
             return

@@ -117,9 +117,11 @@ class Writes:
         that could not be written."""
         return self.make_durable(self._memory.keys())
 
-    def outage(self) -> str | None:
-        """Why L3 writes are failing right now (None while they succeed)."""
-        return self._writer.outage
+    def outage(self, keys: Iterable[BlockKey] = ()) -> str | None:
+        """Why the last write of one of ``keys`` failed, else why L3 writes are failing right now
+        (None while they succeed): a checkpoint reports its own blocks' error, not whatever the
+        writer last saw (another session's write may have ended the outage meanwhile)."""
+        return self._writer.failure(keys) or self._writer.outage
 
     def prefetch_remote(self, keys: Sequence[BlockKey]) -> int:
         """Fetch the blocks of ``keys`` that no local tier holds from L4 in one pipelined round
