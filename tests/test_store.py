@@ -380,6 +380,44 @@ def test_a_failed_checkpoint_names_its_own_blocks_error_after_another_write_ende
     assert "no room in L3 for namespace a" in (writes.outage(refused.block_keys) or "")
 
 
+def test_stats_while_other_threads_move_blocks_through_device_memory(open_store: Factory) -> None:
+    """``store.stats()`` (what ``/metrics`` serves) counts L1's blocks per codec while requests
+    add and evict them: it read the tier's slots as they changed, and a soak's ``/metrics``
+    answered 500 ("dictionary changed size during iteration")."""
+    import sys
+    import threading
+
+    store = open_store(l1_budget_bytes=6 * LAYOUT.bytes_per_block)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                session = store.create_session(f"s{i}")
+                tokens = list(range(i, i + 4 * LAYOUT.block_tokens))
+                store.append(session, tokens, token_kv(LAYOUT, tokens))
+                store.delete_session(session.id)
+                i += 1
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not errors:
+            store.stats()
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(previous)
+    assert not errors
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-writes", "page-cache-writes"])
 def test_disk_full_is_reported_once_and_writing_resumes(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, direct: bool

@@ -196,21 +196,21 @@ class DeviceTier:
     def bytes_by_codec(self) -> dict[int, int]:
         """Bytes of the slots in use per codec held (identity: decoded)."""
         out: dict[int, int] = {}
-        for slot in self._slots.values():
+        for slot in list(self._slots.values()):  # a snapshot: other threads move blocks
             codec = int(slot.spec.codec) if slot.spec is not None else int(CodecId.IDENTITY)
             out[codec] = out.get(codec, 0) + slot.memory.numel()
         return out
 
     def blocks_by_codec(self) -> dict[int, int]:
         out: dict[int, int] = {}
-        for slot in self._slots.values():
+        for slot in list(self._slots.values()):  # as above ('/metrics' answered 500 in a soak)
             codec = int(slot.spec.codec) if slot.spec is not None else int(CodecId.IDENTITY)
             out[codec] = out.get(codec, 0) + 1
         return out
 
     def logical_bytes(self) -> int:
         """Bytes the blocks would take decoded."""
-        return sum(self.layout.block_nbytes(slot.num_tokens) for slot in self._slots.values())
+        return sum(self.layout.block_nbytes(slot.num_tokens) for slot in list(self._slots.values()))
 
     def close(self) -> None:
         self._slots.clear()
