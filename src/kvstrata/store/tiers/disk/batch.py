@@ -218,12 +218,7 @@ class DiskBatch:
                     w.error = exc
                 written = []
             finally:
-                if self._direct is not None:
-                    self._direct.close()
-                    self._direct = None
-                else:
-                    os.close(self._fd)
-                self._fd = None
+                self._close_file()
         own_file = len(written) == 1  # one record: a .kvbin file of its own
         if written:
             final = self.final
@@ -252,15 +247,17 @@ class DiskBatch:
         """Give the batch up (its producer failed): close its file once the writes in flight are
         done and remove it; nothing of it is indexed. Safe to call after :meth:`commit`."""
         if self._fd is not None:
-            try:
-                if self._direct is not None:
-                    self._direct.close()
-                else:
-                    os.close(self._fd)
-            finally:
-                self._direct = None
-                self._fd = None
+            self._close_file()
         self.tmp.unlink(missing_ok=True)
+
+    def _close_file(self) -> None:
+        """Close the batch's file (a direct one after its writes in flight)."""
+        direct, fd = self._direct, self._fd
+        self._direct = self._fd = None
+        if direct is not None:
+            direct.close()
+        elif fd is not None:
+            os.close(fd)
 
     def _append_info(self, written: list[Pending]) -> None:
         """End the segment with its info record (the store's id, each record's namespace): what
