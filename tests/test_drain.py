@@ -67,7 +67,8 @@ class Serve:
         return self.log_path.read_text(errors="replace")
 
     def client(self, read_timeout_s: float = 300) -> openai.OpenAI:
-        timeout = httpx.Timeout(300, read=read_timeout_s)
+        # openai's own Timeout: its HTTP library (httpx, or httpx2 in openai >= 3.63) refuses the other's
+        timeout = openai.Timeout(300, read=read_timeout_s)
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=timeout)
 
     def stream(
