@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kvstrata.codecs import BlockContext, get_codec, pages
+from kvstrata.codecs import BlockContext, Int8SymCodec, get_codec, pages
 from kvstrata.codecs.arena import PageArena
 from kvstrata.engine.batch import decode_kernel
 from kvstrata.layout import KVLayout
@@ -40,7 +40,9 @@ def row(
         tokens = int(torch.randint(1, 65, (1,), generator=gen))
         kv = torch.randn(lay.block_shape(tokens), generator=gen)
         kv[0, ..., 5] += 8.0  # an outlier key channel, as real keys have
-        block = get_codec(name).encode(kv, BlockContext(start))
+        # int8s-32: two scale groups a token (the kernel's path for a group narrower than the head)
+        codec = Int8SymCodec(group_size=32) if name == "int8s-32" else get_codec(name)
+        block = codec.encode(kv, BlockContext(start))
         spec = pages.page_spec(block, lay)
         assert spec is not None
         arena.add(start, spec, pages.to_pages(block, spec, lay))
@@ -53,7 +55,15 @@ def row(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "codecs", [[], ["int8s"], ["kivi4"], ["kivi2"], ["int8s", "kivi4", "kivi2", "int8s", "kivi4"]]
+    "codecs",
+    [
+        [],
+        ["int8s"],
+        ["int8s-32"],
+        ["kivi4"],
+        ["kivi2"],
+        ["int8s", "kivi4", "kivi2", "int8s-32", "int8s", "kivi4"],
+    ],
 )
 def test_pages_read_in_place_match_dequantize_then_sdpa(
     kernel: ModuleType, dtype: torch.dtype, codecs: list[str]
