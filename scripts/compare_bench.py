@@ -1,6 +1,9 @@
-"""Compare the ratios of two pairs of `kvstrata bench --json` runs (old1, new1, old2, new2 per
+"""Compare the ratios of pairs of `kvstrata bench --json` runs (old1, new1, old2, new2, ... per
 suite, as scripts/compare_refactor.sh writes them): for every ratio a suite reports, the old runs'
-own spread (old2 / old1: the noise) and new against old (the mean of new1/old1 and new2/old2).
+own spread (their largest over their smallest: the noise) and new against old (the median of the
+new runs over the median of the old). With three rounds or more, a ratio whose new runs all lie
+beyond every old run (all above, or all below) is marked: with 3 runs a side, that happens by
+chance to 1 ratio in 10 (two-sided), so a few such of 48 is what noise alone gives.
 
     python scripts/compare_bench.py bench-out/refactor-compare
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,29 +34,48 @@ def _ratios(node: object, path: str = "") -> dict[str, float]:
     return found
 
 
+def _labels(directory: Path, suite: str) -> tuple[list[str], list[str]]:
+    """The old and new runs of ``suite`` found, round by round, up to the first round not complete."""
+    old, new = [], []
+    for n in range(1, 100):
+        pair = [directory / f"{suite}-{side}{n}.json" for side in ("old", "new")]
+        if not all(path.exists() for path in pair):
+            break
+        old.append(f"old{n}")
+        new.append(f"new{n}")
+    return old, new
+
+
 def main(directory: Path) -> int:
     worst = 0.0
     for suite in ("restore", "batching"):
-        runs = {}
-        for label in ("old1", "new1", "old2", "new2"):
-            path = directory / f"{suite}-{label}.json"
-            if not path.exists():
-                print(f"{suite}: {path} missing")
-                break
-            runs[label] = _ratios(json.loads(path.read_text())["data"])
-        else:
-            print(f"\n{suite}: ratio | old1 old2 new1 new2 | noise old2/old1 | new/old")
-            for key in sorted(runs["old1"]):
-                values = [runs[label].get(key, math.nan) for label in ("old1", "old2", "new1", "new2")]
-                o1, o2, n1, n2 = values
-                if not all(v > 0 for v in values):
-                    continue
-                noise = o2 / o1
-                change = (n1 / o1 + n2 / o2) / 2
-                outside = abs(math.log(change)) > abs(math.log(noise)) + 0.05
-                worst = max(worst, abs(math.log(change)))
-                mark = "  <- beyond the noise" if outside else ""
-                print(f"  {key}: {o1:.3f} {o2:.3f} {n1:.3f} {n2:.3f} | {noise:.3f} | {change:.3f}{mark}")
+        old, new = _labels(directory, suite)
+        if len(old) < 2:
+            print(f"{suite}: fewer than two rounds of old and new runs in {directory}")
+            continue
+        runs = {
+            label: _ratios(json.loads((directory / f"{suite}-{label}.json").read_text())["data"])
+            for label in old + new
+        }
+        separated = total = 0
+        header = f"ratio | {' '.join(old + new)} | noise (old max/min) | new/old (medians)"
+        print(f"\n{suite}, {len(old)} rounds: {header}")
+        for key in sorted(runs[old[0]]):
+            olds = [runs[label].get(key, math.nan) for label in old]
+            news = [runs[label].get(key, math.nan) for label in new]
+            if not all(v > 0 for v in olds + news):
+                continue
+            total += 1
+            noise = max(olds) / min(olds)
+            change = statistics.median(news) / statistics.median(olds)
+            worst = max(worst, abs(math.log(change)))
+            apart = len(old) >= 3 and (min(news) > max(olds) or max(news) < min(olds))
+            separated += apart
+            mark = "  <- every new run beyond every old run" if apart else ""
+            values = " ".join(f"{v:.3f}" for v in olds + news)
+            print(f"  {key}: {values} | {noise:.3f} | {change:.3f}{mark}")
+        if len(old) >= 3:
+            print(f"{suite}: {separated} of {total} ratios with every new run beyond every old run")
     print(f"\nlargest new/old change: {math.exp(worst):.3f}x")
     return 0
 
