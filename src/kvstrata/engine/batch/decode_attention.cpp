@@ -30,7 +30,8 @@ constexpr int kLanes = 16;      // floats in one 512-bit vector
 constexpr int kMaxGroup = 8;    // query heads per key/value head
 constexpr int kMaxChunks = 16;  // head_dim / kLanes: head_dim up to 256
 constexpr int kMaxHeadDim = kLanes * kMaxChunks;
-constexpr int kChains = 4;  // independent sums of an int8s page's scores (a scale group is 16k channels)
+constexpr int kChains = 4;  // independent sums of an int8s page's scores (a scale group: a multiple of 16 channels)
+static_assert(kChains == 4, "int8s_scores adds the chains up as two pairs");
 
 // page codecs: kvstrata.codecs.base.CodecId
 constexpr int64_t kKivi4 = 5, kKivi2 = 6, kInt8s = 10;
