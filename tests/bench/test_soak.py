@@ -74,15 +74,17 @@ def test_three_minutes_of_agents_restarts_kill_and_gc(tmp_path: Path) -> None:
 
 def test_memwatch_lines_split_the_growth() -> None:
     # two server processes, each sampled every 60 s: glibc's free bytes grow 1 MB a minute, Python's
-    # allocations stay; the first 60 s of each are warm-up
+    # allocations stay, tracemalloc's own memory grows 0.5 MB a minute (inside glibc's bytes in use,
+    # which stay otherwise); the first 60 s of each are warm-up
     lines = [
         {
             "pid": pid,
             "t_s": t,
-            "rss": 500e6 + t / 60 * 1e6,
-            "rss_anon": 400e6 + t / 60 * 1e6,
+            "rss": 500e6 + t / 60 * 1.5e6,
+            "rss_anon": 400e6 + t / 60 * 1.5e6,
             "traced": 5e6,
-            "glibc": {"in_use": 200e6, "free": 30e6 + t / 60 * 1e6, "mmapped": 50e6},
+            "tracemalloc_own": 2e6 + t / 60 * 0.5e6,
+            "glibc": {"in_use": 200e6 + t / 60 * 0.5e6, "free": 30e6 + t / 60 * 1e6, "mmapped": 50e6},
             "tensor_bytes": 10e6,
             "objects": 1000,
             **({"sites_grown": [{"bytes": 10, "count": 1, "where": ["x.py:1"]}]} if t else {}),
@@ -92,7 +94,9 @@ def test_memwatch_lines_split_the_growth() -> None:
     ]
     summary = memwatch_summary(lines, warmup_s=60)
     assert summary["glibc_free_mb_per_hour"] == pytest.approx(60.0)
-    assert summary["rss_mb_per_hour"] == pytest.approx(60.0)
+    assert summary["glibc_in_use_mb_per_hour"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["tracemalloc_own_mb_per_hour"] == pytest.approx(30.0)
+    assert summary["rss_mb_per_hour"] == pytest.approx(90.0)
     assert summary["python_traced_mb_per_hour"] == pytest.approx(0.0)
     assert summary["outside_malloc_mb_per_hour"] == pytest.approx(0.0)
     assert summary["samples"] == 18 and summary["sites_grown"][0]["where"] == ["x.py:1"]

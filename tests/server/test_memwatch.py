@@ -39,6 +39,7 @@ def test_a_sample_names_the_site_and_the_type_that_grew(
     lines = [json.loads(x) for x in (tmp_path / "watch.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and lines[1] == json.loads(json.dumps(line))
     assert line["rss"] >= line["rss_anon"] > 0 and line["traced"] > 2e6
+    assert line["tracemalloc_own"] > 0  # the traces of the objects above, at least
     assert line["threads"] > 0 and line["open_files"] > 0
     grown = dict(line["types_grown"])
     assert grown[f"{__name__}._Kept"] >= 5000

@@ -5,11 +5,12 @@ With ``KVSTRATA_MEMWATCH=<file>`` in its environment, ``kvstrata serve`` starts 
 ``KVSTRATA_MEMWATCH_EVERY`` seconds (default 30), appends one JSON line to ``<file>``: the RSS,
 the bytes Python's allocations hold (tracemalloc's total) and glibc's heap (``mallinfo2``: in use,
 free in its arenas, mapped), the live objects by type, the torch tensors alive and their bytes,
-threads, open files, asyncio tasks, and the allocation sites that grew most since the first
-sample. Telling the growths apart: RSS growing with tracemalloc's total is Python objects kept
-(the sites say where); RSS growing with glibc's free bytes is fragmentation; RSS growing with
-neither is native memory (torch's allocator, a library's own). ``kvstrata bench soak --memwatch``
-sets it and prints the last line's figures.
+threads, open files, asyncio tasks, the allocation sites that grew most since the first sample,
+and what tracemalloc itself holds (its traces and the tracebacks it keeps: glibc's heap in use
+counts them, a server without the watch would not). Telling the growths apart: RSS growing with
+tracemalloc's total is Python objects kept (the sites say where); RSS growing with glibc's free
+bytes is fragmentation; RSS growing with neither is native memory (torch's allocator, a library's
+own). ``kvstrata bench soak --memwatch`` sets it and prints the last line's figures.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class MemWatch:
             **process_figures(),
             "traced": traced,
             "traced_peak": peak,
+            "tracemalloc_own": tracemalloc.get_tracemalloc_memory(),
             "glibc": glibc_heap(),
             "objects": sum(counts.values()),
             "tensors": tensors,

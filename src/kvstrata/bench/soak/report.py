@@ -97,7 +97,8 @@ def summarize(
 MEMWATCH_SERIES = {
     "rss": lambda m: m["rss"],
     "python_traced": lambda m: m["traced"],
-    "glibc_in_use": lambda m: m["glibc"].get("in_use", 0),
+    "glibc_in_use": lambda m: m["glibc"].get("in_use", 0) - m.get("tracemalloc_own", 0),
+    "tracemalloc_own": lambda m: m.get("tracemalloc_own", 0),
     "glibc_free": lambda m: m["glibc"].get("free", 0),
     "tensors": lambda m: m["tensor_bytes"],
     "outside_malloc": lambda m: (
@@ -105,7 +106,8 @@ MEMWATCH_SERIES = {
     ),
 }
 """What :mod:`kvstrata.server.memwatch` splits RSS into: Python's allocations (tracemalloc), glibc's
-heap in use and free inside it (fragmentation), torch tensors' storage, and the anonymous RSS glibc's
+heap in use (less what tracemalloc holds for the watch itself, a series of its own) and free inside
+it (fragmentation), torch tensors' storage, and the anonymous RSS glibc's
 heap does not hold (thread stacks, native libraries' own mappings; free heap pages already given
 back make it an estimate)."""
 
@@ -175,10 +177,18 @@ def tables(summary: dict[str, Any]) -> list[BenchTable]:
     watch = summary.get("memwatch")
     if watch:
         t.add_row(
-            "inside the server (memwatch): Python; glibc in use, free; tensors; outside malloc",
+            "inside the server (memwatch): Python; glibc in use, free; tensors; outside malloc; "
+            "the watch's own tracemalloc",
             "; ".join(
                 f"{fmt(watch[f'{k}_mb_per_hour'], '+.2f')}"
-                for k in ("python_traced", "glibc_in_use", "glibc_free", "tensors", "outside_malloc")
+                for k in (
+                    "python_traced",
+                    "glibc_in_use",
+                    "glibc_free",
+                    "tensors",
+                    "outside_malloc",
+                    "tracemalloc_own",
+                )
             )
             + " MB/h",
             "-",
