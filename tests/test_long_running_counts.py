@@ -60,13 +60,32 @@ def test_the_block_statistics_a_process_keeps_are_bounded(
     open_store: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(block_stats, "MIN_KEPT", 16)
-    # memory for 2 blocks: statistics for 8 times that (kept_for)
-    store = open_store(l1_budget_bytes=LAYOUT.bytes_per_block, l2_budget_bytes=LAYOUT.bytes_per_block)
+    # memory for 8 blocks: statistics for at least MIN_KEPT blocks it does not hold (kept_for)
+    store = open_store(l1_budget_bytes=4 * LAYOUT.bytes_per_block, l2_budget_bytes=4 * LAYOUT.bytes_per_block)
     table = store.tiered.stats
     assert table.kept == 16
     with table.hold([BlockKey(b"h" * 32)]):  # a block a reader holds is never dropped
         for i in range(10):
             _turn(store, f"s{i}", [1000 * i + t for t in range(4 * LAYOUT.block_tokens)])  # 4 blocks each
-        assert len(table) <= 16 and table.get(BlockKey(b"h" * 32)) is not None  # before: 41
+        resident = store.tiered.memory.keys()
+        assert resident and all(table.get(key) is not None for key in resident)  # the tiers order by them
+        assert len(table) <= 16 + 16 // 16 + len(resident) + 1 and table.get(BlockKey(b"h" * 32)) is not None
     loaded = store.load(store.session("s0"))
     assert torch.equal(loaded.kv, token_kv(LAYOUT, list(range(4 * LAYOUT.block_tokens))))  # type: ignore[arg-type]
+
+
+def test_statistics_of_blocks_the_memory_tiers_hold_are_never_dropped() -> None:
+    """However many the memory tiers hold (lossy codecs fit several times their exact count),
+    their blocks keep their statistics; only those of blocks they do not hold are bounded."""
+    table = block_stats.BlockStatsTable(kept=16)
+    held = {BlockKey(bytes([1, i]) * 16) for i in range(40)}
+    table.keep_resident(held.__contains__)
+    for key in sorted(held):
+        table.touch(key, 4)
+    for i in range(200):
+        table.touch(BlockKey(bytes([2, i]) * 16), 4)
+    assert all((s := table.get(key)) is not None and s.access_count == 1 for key in held)
+    others = len(table) - len(held)
+    assert 15 <= others <= 16 + 1  # trimmed to 15/16 of kept, then kept/16 more before the next trim
+    assert table.get(BlockKey(bytes([2, 199]) * 16)) is not None  # the newest stay, the oldest go
+    assert table.get(BlockKey(bytes([2, 0]) * 16)) is None

@@ -84,6 +84,7 @@ def test_memwatch_lines_split_the_growth() -> None:
             "rss_anon": 400e6 + t / 60 * 1.5e6,
             "traced": 5e6,
             "tracemalloc_own": 2e6 + t / 60 * 0.5e6,
+            "sqlite": 4e6 + t / 60 * 0.1e6,
             "glibc": {"in_use": 200e6 + t / 60 * 0.5e6, "free": 30e6 + t / 60 * 1e6, "mmapped": 50e6},
             "tensor_bytes": 10e6,
             "objects": 1000,
@@ -96,6 +97,7 @@ def test_memwatch_lines_split_the_growth() -> None:
     assert summary["glibc_free_mb_per_hour"] == pytest.approx(60.0)
     assert summary["glibc_in_use_mb_per_hour"] == pytest.approx(0.0, abs=1e-9)
     assert summary["tracemalloc_own_mb_per_hour"] == pytest.approx(30.0)
+    assert summary["sqlite_mb_per_hour"] == pytest.approx(6.0)
     assert summary["rss_mb_per_hour"] == pytest.approx(90.0)
     assert summary["python_traced_mb_per_hour"] == pytest.approx(0.0)
     assert summary["outside_malloc_mb_per_hour"] == pytest.approx(0.0)

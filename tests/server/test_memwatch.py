@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import tracemalloc
 from pathlib import Path
 
@@ -31,7 +32,11 @@ def test_a_sample_names_the_site_and_the_type_that_grew(
         kept = [_Kept() for _ in range(5000)]
         blob = [bytes(1000) for _ in range(2000)]  # about 2 MB from one line
         tensor = torch.zeros(1 << 18)  # 1 MiB
+        db = sqlite3.connect(":memory:")
+        db.execute("CREATE TABLE t (x BLOB)")
+        db.executemany("INSERT INTO t VALUES (?)", [(bytes(100),)] * 10_000)  # pages in SQLite's cache
         line = watch.sample()
+        db.close()
     finally:
         watch.stop()
         if not was_tracing:
@@ -40,6 +45,7 @@ def test_a_sample_names_the_site_and_the_type_that_grew(
     assert len(lines) == 2 and lines[1] == json.loads(json.dumps(line))
     assert line["rss"] >= line["rss_anon"] > 0 and line["traced"] > 2e6
     assert line["tracemalloc_own"] > 0  # the traces of the objects above, at least
+    assert line["sqlite"] is None or line["sqlite"] > 1e6  # the table's pages
     assert line["threads"] > 0 and line["open_files"] > 0
     grown = dict(line["types_grown"])
     assert grown[f"{__name__}._Kept"] >= 5000

@@ -70,6 +70,21 @@ def glibc_heap() -> dict[str, int]:
     return {"in_use": info.uordblks, "free": info.fordblks, "arenas": info.arena, "mmapped": info.hblkhd}
 
 
+def sqlite_memory() -> int | None:
+    """Bytes SQLite holds in this process (page caches, prepared statements; part of glibc's heap
+    in use): ``sqlite3_memory_used`` of the library Python's ``sqlite3`` loads. None where it
+    cannot be asked."""
+    try:
+        import sqlite3
+
+        sqlite3.sqlite_version  # noqa: B018 (the module loads the shared library)
+        lib = ctypes.CDLL(ctypes.util.find_library("sqlite3") or "libsqlite3.so.0")
+        lib.sqlite3_memory_used.restype = ctypes.c_int64
+        return int(lib.sqlite3_memory_used())
+    except (OSError, AttributeError):
+        return None
+
+
 def process_figures() -> dict[str, int]:
     """This process's RSS (of it anonymous and file-backed), threads and open files, from /proc."""
     fields = {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file", "Threads:": "threads"}
@@ -161,6 +176,7 @@ class MemWatch:
             "traced_peak": peak,
             "tracemalloc_own": tracemalloc.get_tracemalloc_memory(),
             "glibc": glibc_heap(),
+            "sqlite": sqlite_memory(),
             "objects": sum(counts.values()),
             "tensors": tensors,
             "tensor_bytes": tensor_bytes,

@@ -18,32 +18,43 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvstrata.keys import BlockKey
 from kvstrata.policy import BlockStats
 from kvstrata.priority import Priority, higher_priority
 from kvstrata.store.block import KVBlock
 
-MIN_KEPT = 1 << 14
-"""The fewest blocks whose statistics a process keeps (about 200 bytes each)."""
+MIN_KEPT = 1 << 11
+"""The fewest blocks no memory tier holds whose statistics a process keeps (about 420 bytes each)."""
 
 
 def kept_for(memory_budget_bytes: int, bytes_per_block: int) -> int:
-    """How many blocks' statistics to keep: eight times what the memory tiers hold of exact
-    blocks (lossy codecs fit more), at least ``MIN_KEPT``. Past it, the oldest that no reader
-    holds go: a long-running server meets millions of blocks, most of them long gone from memory,
-    and without a bound it kept statistics for every one (a SmolLM2 block is 368 KiB: 1.25 GiB of
-    L1 and L2 hold about 3,500)."""
-    return max(MIN_KEPT, 8 * memory_budget_bytes // max(1, bytes_per_block))
+    """How many blocks' statistics to keep beyond those the memory tiers hold: as many as the
+    memory tiers hold of exact blocks, at least ``MIN_KEPT`` (the blocks demoted most recently
+    keep their access history and importance for when they come back, and for L3's eviction).
+    Past it, the oldest that no reader holds and no memory tier holds go: a long-running server
+    meets millions of blocks, most of them long gone from memory. Small enough to fill within a
+    few minutes of serving: a bound that fills over hours reads as a leak (issue 32's soak: 49,152
+    statistics of the tiny model's 8 KiB blocks, 20 MB, filled over an hour)."""
+    return max(MIN_KEPT, memory_budget_bytes // max(1, bytes_per_block))
 
 
 class BlockStatsTable:
     def __init__(self, kept: int | None = None) -> None:
-        """``kept``: how many blocks' statistics at most (:func:`kept_for`; None: ``MIN_KEPT``)."""
+        """``kept``: how many statistics of blocks no memory tier holds at most (:func:`kept_for`;
+        None: ``MIN_KEPT``)."""
         self._lock = threading.RLock()
         self._stats: dict[BlockKey, BlockStats] = {}
         self.kept = kept if kept is not None else MIN_KEPT
+        self._trim_above = self.kept
+        self._resident: Callable[[BlockKey], bool] = lambda key: False
+
+    def keep_resident(self, resident: Callable[[BlockKey], bool]) -> None:
+        """Never drop the statistics of a block ``resident`` says a memory tier holds (its
+        eviction orders by them; the tiers' budgets bound how many). ``resident`` is called under
+        this table's lock: it must take no lock of the placement's."""
+        self._resident = resident
 
     def get(self, key: BlockKey) -> BlockStats | None:
         return self._stats.get(key)
@@ -64,22 +75,20 @@ class BlockStatsTable:
         stats = self._stats.get(key)
         if stats is None:
             stats = self._stats[key] = BlockStats(key, num_tokens, time.monotonic() if when is None else when)
-            if len(self._stats) > self.kept:
+            if len(self._stats) > self._trim_above:
                 self._trim(key)
         return stats
 
     def _trim(self, keep: BlockKey) -> None:
-        """Drop the oldest statistics no reader holds, down to 15/16 of ``kept`` (a dict keeps
-        insertion order: the first are the oldest)."""
-        excess = len(self._stats) - (self.kept - self.kept // 16)
-        victims = []
-        for key, stats in self._stats.items():
-            if len(victims) >= excess:
-                break
-            if stats.ref_count == 0 and key != keep:
-                victims.append(key)
-        for key in victims:
+        """Drop the oldest statistics no reader holds and no memory tier holds, down to 15/16 of
+        ``kept`` of them (a dict keeps insertion order: the first are the oldest). The next trim
+        comes ``kept / 16`` insertions later, however many the memory tiers hold: one pass over
+        the table per that many new blocks."""
+        resident = self._resident
+        spare = [k for k, s in self._stats.items() if s.ref_count == 0 and k != keep and not resident(k)]
+        for key in spare[: max(0, len(spare) - (self.kept - self.kept // 16))]:
             del self._stats[key]
+        self._trim_above = max(self.kept, len(self._stats) + self.kept // 16)
 
     def touch(
         self, key: BlockKey, num_tokens: int, priority: Priority | None = None, start_pos: int | None = None

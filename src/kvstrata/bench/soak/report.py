@@ -99,6 +99,7 @@ MEMWATCH_SERIES = {
     "python_traced": lambda m: m["traced"],
     "glibc_in_use": lambda m: m["glibc"].get("in_use", 0) - m.get("tracemalloc_own", 0),
     "tracemalloc_own": lambda m: m.get("tracemalloc_own", 0),
+    "sqlite": lambda m: m.get("sqlite") or 0,
     "glibc_free": lambda m: m["glibc"].get("free", 0),
     "tensors": lambda m: m["tensor_bytes"],
     "outside_malloc": lambda m: (
@@ -106,8 +107,9 @@ MEMWATCH_SERIES = {
     ),
 }
 """What :mod:`kvstrata.server.memwatch` splits RSS into: Python's allocations (tracemalloc), glibc's
-heap in use (less what tracemalloc holds for the watch itself, a series of its own) and free inside
-it (fragmentation), torch tensors' storage, and the anonymous RSS glibc's
+heap in use (less what tracemalloc holds for the watch itself, a series of its own; SQLite's page
+caches and statements are inside it, and a series of their own too) and free inside it
+(fragmentation), torch tensors' storage, and the anonymous RSS glibc's
 heap does not hold (thread stacks, native libraries' own mappings; free heap pages already given
 back make it an estimate)."""
 

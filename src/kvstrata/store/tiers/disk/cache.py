@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from kvstrata.keys import BlockKey
 from kvstrata.store.index.block_rows import BlockTable, Placement
 
-KEPT = 1 << 15
-"""Placements a process keeps (about 100 bytes each); past this, the oldest go (a long-running
-server reads millions of blocks over weeks; one it dropped is asked of the index again)."""
+KEPT = 1 << 12
+"""Placements a process keeps (about 200 bytes each, with their keys); past this, the oldest go (a
+long-running server reads millions of blocks over weeks; one it dropped is asked of the index
+again, one query for a whole chain). A few dozen long sessions' worth: small enough to fill within
+minutes of serving, where a bound that fills over hours reads as a leak (issue 32's soak)."""
 
 
 class PlacementCache:
