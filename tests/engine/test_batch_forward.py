@@ -14,7 +14,9 @@ from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import tiny_llama
 from kvstrata.integrations.transformers.packed_linear import (
+    Routes,
     bf16_packing_available,
+    measure_routes,
     pack_linears,
     pad_fp32_linears,
 )
@@ -281,7 +283,7 @@ def test_padded_fp32_linears_give_each_row_its_own_result() -> None:
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 def test_fp32_linears_run_a_few_rows_on_their_packed_weights_and_one_row_on_torchs() -> None:
     model = tiny_llama(10, num_layers=1)
-    pad_fp32_linears(model)
+    pad_fp32_linears(model, Routes(one_row=False, chunks=False))
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(1, 8, layer.in_features, generator=torch.Generator().manual_seed(4))
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
@@ -292,3 +294,35 @@ def test_fp32_linears_run_a_few_rows_on_their_packed_weights_and_one_row_on_torc
     assert layer(torch.randn(1, 63, layer.in_features)).abs().sum() > 0
     for rows in (1, 64):  # one row (a lone decode step) and prefill chunks: torch's kernel, the weight
         assert layer(torch.randn(1, rows, layer.in_features)).abs().sum() == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_one_row_and_prefill_chunks_run_where_the_routes_send_them() -> None:
+    for routes in (Routes(one_row=True, chunks=False), Routes(one_row=False, chunks=True)):
+        model = tiny_llama(10, num_layers=1)
+        pad_fp32_linears(model, routes)
+        layer = model.model.layers[0].mlp.down_proj
+        x = torch.randn(1, 64, layer.in_features, generator=torch.Generator().manual_seed(5))
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        with torch.no_grad():
+            layer.weight.zero_()  # the packed copy keeps the old weight; torch's kernel sees zeros
+        one, chunk = layer(x[:, :1]), layer(x)
+        if routes.one_row:
+            torch.testing.assert_close(one, want[:, :1], atol=1e-5, rtol=1e-5)
+        else:
+            assert one.abs().sum() == 0
+        if routes.chunks:
+            torch.testing.assert_close(chunk, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert chunk.abs().sum() == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_routes_are_measured_once_per_weight_shape() -> None:
+    measure_routes.cache_clear()
+    first = measure_routes(48, 40)
+    assert isinstance(first, Routes) and measure_routes(48, 40) is first  # cached: one measurement
+    assert measure_routes.cache_info().misses == 1
+    model = tiny_llama(10, num_layers=1)
+    pad_fp32_linears(model)  # measured for each of the model's shapes
+    assert measure_routes.cache_info().currsize > 1

@@ -17,17 +17,29 @@ for 4); on an Intel Xeon VM with AVX-512 (2026-12-03, loaded) 4 to 16 rows cost 
 3 rows (51 ms for 4 rows against 27 ms for 3), where oneDNN with its weights packed once took 34 ms
 for 4 rows and 39 ms for 8 against MKL's 77 ms (a decode step of 8 sessions 1.2-1.3x more tokens/s
 end to end). So :func:`pad_fp32_linears` gives each fp32 linear a oneDNN-packed copy of its
-weight and sends 2 to 63 rows to it, one row and prefill chunks (64 rows and more) to MKL, as
-before. Where oneDNN is not available it pads 2 or 3 rows past a multiple of 4 with zero rows up to
-that multiple instead and drops the extra output rows. Either way each row's result is computed
+weight and sends 2 to 63 rows to it. One row and prefill chunks (64 rows and more) go where they
+run faster on this CPU, measured once per weight shape when the model is prepared
+(:func:`measure_routes`): on the Intel VM MKL was fast for one row; on an AMD EPYC VM (Zen 5,
+2026-12-05) MKL took 2.3x the packed kernel's time for one row and 2.1-2.6x for 64 and 256 rows
+(all of SmolLM2's linear shapes, alternated, one thread), the slow paths MKL is known to take on
+AMD CPUs, where vLLM's CPU backend runs every linear on oneDNN. Where oneDNN is not available
+it pads 2 or 3 rows past a multiple of 4 with zero rows up to that multiple instead and drops the
+extra output rows. Either way each row's result is computed
 from that row alone (float rounding may differ between the kernels).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import statistics
+import time
 import types
+from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _PACKED = "_kvstrata_packed_weight"
 
@@ -71,10 +83,61 @@ _PACK_ROWS = 8
 """The row count oneDNN lays the packed fp32 weights out for (a batch of decode steps)."""
 
 
-def pad_fp32_linears(model: torch.nn.Module) -> int:
+@dataclass(frozen=True)
+class Routes:
+    """Which fp32 row counts besides 2 to 63 run on the packed weights."""
+
+    one_row: bool = False
+    """A lone decode step."""
+    chunks: bool = False
+    """Prefill chunks (``_PAD_BELOW`` rows and more)."""
+
+
+_MEASURE_ROWS = {"one_row": 1, "chunks": _PAD_BELOW}
+_MEASURE_REPEATS = 7
+_FASTER = 0.9
+"""The packed kernel takes a row count over when it needs at most this share of MKL's time."""
+
+
+@functools.lru_cache(maxsize=32)
+def measure_routes(out_features: int, in_features: int) -> Routes:
+    """Time MKL (``F.linear``) against the packed oneDNN kernel on a random fp32 weight of this
+    shape, alternated, for one row and for a prefill chunk: the medians decide (once per shape and
+    process; a few milliseconds for SmolLM2's largest layer)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+        chosen = {}
+        for name, rows in _MEASURE_ROWS.items():
+            x = torch.randn(rows, in_features, generator=gen)
+            times: dict[str, list[float]] = {"mkl": [], "packed": []}
+            for _ in range(_MEASURE_REPEATS):
+                for kernel in times:
+                    started = time.perf_counter()
+                    if kernel == "mkl":
+                        torch.nn.functional.linear(x, weight)
+                    else:
+                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                    times[kernel].append(time.perf_counter() - started)
+            mkl, onednn = statistics.median(times["mkl"]), statistics.median(times["packed"])
+            chosen[name] = onednn <= _FASTER * mkl
+            log.info(
+                "fp32 linear %dx%d, %d rows: MKL %.3f ms, packed oneDNN %.3f ms",
+                out_features,
+                in_features,
+                rows,
+                mkl * 1e3,
+                onednn * 1e3,
+            )
+    return Routes(**chosen)
+
+
+def pad_fp32_linears(model: torch.nn.Module, routes: Routes | None = None) -> int:
     """Make every fp32 ``nn.Linear`` on the CPU of ``model`` run 2 to 63 rows on a oneDNN-packed
-    copy of its weight, or where oneDNN is missing pad 2 or 3 rows past a multiple of 4 to that
-    multiple (idempotent); how many were changed now."""
+    copy of its weight, one row and prefill chunks where ``routes`` sends them (None: measured on
+    this CPU, :func:`measure_routes`), or where oneDNN is missing pad 2 or 3 rows past a multiple of
+    4 to that multiple (idempotent); how many were changed now."""
     pack = torch.backends.mkldnn.is_available()
     changed = 0
     for module in model.modules():
@@ -88,11 +151,12 @@ def pad_fp32_linears(model: torch.nn.Module) -> int:
             or weight.device.type != "cpu"
         ):
             continue
-        setattr(module, _PADDED, True)
+        setattr(module, _PADDED, Routes())
         if pack:
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
             setattr(module, _PACKED_FP32, packed)
+            setattr(module, _PADDED, routes if routes is not None else measure_routes(*weight.shape))
         module.forward = types.MethodType(_padded_forward, module)  # type: ignore[method-assign]
         changed += 1
     return changed
@@ -101,9 +165,12 @@ def pad_fp32_linears(model: torch.nn.Module) -> int:
 def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    if rows >= _PAD_BELOW or rows < 2:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
     packed = getattr(self, _PACKED_FP32, None)
+    if rows >= _PAD_BELOW or rows < 2:
+        routes: Routes = getattr(self, _PADDED)
+        if packed is not None and rows > 0 and (routes.chunks if rows >= _PAD_BELOW else routes.one_row):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return torch.nn.functional.linear(x, self.weight, self.bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
     if rows % 4 < 2:
