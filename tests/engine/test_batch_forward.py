@@ -10,6 +10,7 @@ from batch_reference import ids, prefix_kv, restored, solo_forward, solo_greedy
 
 from kvstrata import ConfigError
 from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterrupted
+from kvstrata.integrations.transformers import packed_linear as packed_linear_module
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.importance import ImportanceTracker
 from kvstrata.integrations.transformers.model import tiny_llama
@@ -19,6 +20,7 @@ from kvstrata.integrations.transformers.packed_linear import (
     measure_routes,
     pack_linears,
     pad_fp32_linears,
+    rows_bucket,
 )
 
 ATOL = 1e-4
@@ -326,3 +328,32 @@ def test_routes_are_measured_once_per_weight_shape() -> None:
     model = tiny_llama(10, num_layers=1)
     pad_fp32_linears(model)  # measured for each of the model's shapes
     assert measure_routes.cache_info().currsize > 1
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_packed_kernels_see_a_few_dozen_row_counts_whatever_rows_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """oneDNN and ideep keep a kernel per input shape (about 0.3 MB each, up to 1,024 each): every
+    row count a server met grew them by hundreds of megabytes over hours (issue 32's soak)."""
+    seen: set[int] = set()
+    real = packed_linear_module._LINEAR
+
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.add(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(packed_linear_module, "_LINEAR", counting)
+    model = tiny_llama(10, num_layers=1)
+    pad_fp32_linears(model, Routes(one_row=True, chunks=True))
+    layer = model.model.layers[0].mlp.down_proj
+    gen = torch.Generator().manual_seed(6)
+    for rows in range(1, 600):
+        x = torch.randn(1, rows, layer.in_features, generator=gen)
+        got = layer(x)
+        assert got.shape == (1, rows, layer.out_features)
+        if rows in (1, 5, 63, 65, 100, 257, 599):
+            want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(seen) <= 40 and max(seen) <= 599 * 5 // 4  # at most a quarter more rows than asked
+    assert all(rows_bucket(rows) >= rows for rows in range(2000))

@@ -72,7 +72,41 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, getattr(self, _PACKED), self.bias, "none", [], "")
+    return packed_linear(x, getattr(self, _PACKED), self.bias)
+
+
+def rows_bucket(rows: int) -> int:
+    """The row count the packed kernel is called with for ``rows`` rows: one row as it is, up to
+    64 a multiple of 8, past that a multiple of a quarter to an eighth of the power of two below
+    (at most a quarter more rows). oneDNN and torch's ideep layer each keep the kernel they built
+    for every input shape (up to 1,024 each, about 0.3 MB apiece, and about 7 ms to build one):
+    called with every row count a server meets, their caches grew by hundreds of megabytes over
+    hours and each new count paid a build (issue 32's soak); the buckets bound the shapes to a
+    few dozen per weight, built within the first minutes."""
+    if rows <= 1:
+        return rows
+    if rows <= 64:
+        return -(-rows // 8) * 8
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` through the packed weight, its rows padded with zeros up to :func:`rows_bucket` (each
+    row's result is its own: the padding rows are dropped)."""
+    features = x.shape[-1]
+    rows = x.numel() // features if features else 0
+    bucket = rows_bucket(rows)
+    if bucket == rows:
+        return _LINEAR(x, packed, bias, "none", [], "")
+    flat = x.reshape(rows, features)
+    padded = torch.cat([flat, flat.new_zeros(bucket - rows, features)])
+    out = _LINEAR(padded, packed, bias, "none", [], "")[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_LINEAR = torch.ops.mkldnn._linear_pointwise
+"""oneDNN's kernel on a packed weight (a name of this module's: tests count its shapes)."""
 
 
 _PADDED = "_kvstrata_padded"
@@ -169,10 +203,10 @@ def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if rows >= _PAD_BELOW or rows < 2:
         routes: Routes = getattr(self, _PADDED)
         if packed is not None and rows > 0 and (routes.chunks if rows >= _PAD_BELOW else routes.one_row):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            return packed_linear(x, packed, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return packed_linear(x, packed, self.bias)
     if rows % 4 < 2:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, features)
