@@ -43,6 +43,9 @@ def test_a_second_engine_continues_a_session_from_redis(
     assert torch.equal(loaded.kv, token_kv(LAYOUT, tokens))  # type: ignore[arg-type]
     engine_b.flush()
     assert engine_b.load(continued).tokens_by_tier == {TierLevel.L3: 11}  # now kept locally too
+    # and not uploaded back to where they came from (a needless write that, during a failover,
+    # opened an idle reader's breaker)
+    assert engine_b.counters.tiers[TierLevel.L4].save.snapshot().count == 0
 
     more = [20, 21, 22]
     engine_b.append(continued, more, token_kv(LAYOUT, more, 11))

@@ -52,6 +52,8 @@ class DiskWriter:
         self.failed: dict[BlockKey, str] = {}
         """Blocks whose last write failed, each with its error (they wait in memory for a retry)."""
         self._replace: set[BlockKey] = set()
+        self._mirrored: set[BlockKey] = set()
+        """Blocks queued that came from L4: not written behind to it again once durable."""
         self._writer = BackgroundWriter(
             write_many=self._write_many,
             open_stream=self._open_stream if self._batches is not None else None,
@@ -75,11 +77,14 @@ class DiskWriter:
     def written_bytes(self) -> int:
         return self._writer.written_bytes
 
-    def submit(self, block: KVBlock, *, replace: bool = False) -> None:
+    def submit(self, block: KVBlock, *, replace: bool = False, mirrored: bool = False) -> None:
         """Queue ``block`` (already encoded for L3); waits while the queue is over its byte bound.
-        A stored copy in another codec is always replaced; ``replace`` replaces any stored copy."""
+        A stored copy in another codec is always replaced; ``replace`` replaces any stored copy;
+        ``mirrored``: the block was read from L4, which needs no copy of it written behind."""
         if replace:
             self._replace.add(block.key)
+        if mirrored:
+            self._mirrored.add(block.key)
         self._writer.submit(block)
 
     def pending(self, key: BlockKey) -> KVBlock | None:
@@ -179,9 +184,11 @@ class DiskWriter:
             self.counters.saved(TierLevel.L3, seconds / blocks, blocks)
 
     def _written(self, block: KVBlock, error: Exception | None) -> None:
+        mirrored = block.key in self._mirrored
         if error is None:
+            self._mirrored.discard(block.key)
             self.failed.pop(block.key, None)
-            if self._after_write is not None:
+            if self._after_write is not None and not mirrored:
                 self._after_write(block)
 
     def _put_one(self, block: KVBlock, replace: bool) -> Exception | None:

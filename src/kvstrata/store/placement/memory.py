@@ -79,7 +79,8 @@ class MemoryTiers:
         self.layout = layout
         self.config = config
         self.stats = stats
-        stats.keep_resident(self.holds)  # what these tiers hold keeps its statistics
+        # what these tiers hold keeps its statistics (no lock: a membership test of each tier's map)
+        stats.keep_resident(lambda key: self.level_of(key) is not None)
         self.counters = counters
         self.scorer: EvictionScorer = get_scorer(config.eviction)
         self._encodings = encodings
@@ -95,10 +96,6 @@ class MemoryTiers:
     def level_of(self, key: BlockKey) -> TierLevel | None:
         """The highest memory tier holding ``key`` (None: none does)."""
         return next((t.level for t in self.tiers if t.contains(key)), None)
-
-    def holds(self, key: BlockKey) -> bool:
-        """Whether a memory tier holds ``key`` (no lock: a membership test of each tier's map)."""
-        return any(t.contains(key) for t in self.tiers)
 
     def codecs(self, key: BlockKey) -> list[int]:
         """The codec of each copy the memory tiers hold."""

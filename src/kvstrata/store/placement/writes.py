@@ -140,7 +140,7 @@ class Writes:
         arrived = self._remote.fetch_many(missing)
         self._memory.adopt(arrived, TierLevel.L4)
         for block in arrived:
-            self._writer.submit(block)
+            self._writer.submit(block, mirrored=True)
         return len(arrived)
 
     def publish_remote(self, keys: Sequence[BlockKey]) -> bool:

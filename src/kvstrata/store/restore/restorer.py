@@ -282,7 +282,8 @@ class Restorer:
         if block is not None:
             if room is not None and copier is not None:
                 decode_into_room(block, room, copier, self.layout)
-            self._writer.submit(block)  # keep a local, durable copy of what another engine wrote
+            # keep a local, durable copy of what another engine wrote (not written back to L4)
+            self._writer.submit(block, mirrored=True)
         return block, TierLevel.L4
 
     def _disk_read(self, key: BlockKey, max_loss: int | None, buffered: bool) -> KVBlock | None:
