@@ -43,3 +43,17 @@ def test_releasing_a_threads_openmp_team_keeps_torch_working() -> None:
     assert runtime.release_openmp_threads()
     torch.testing.assert_close(x @ x, want)  # the next parallel region starts a new team
     assert torch.get_num_threads() >= 1
+
+
+def test_a_background_thread_yields_the_cores_and_leaves_the_caller_as_it_was() -> None:
+    import os
+
+    def background() -> tuple[bool, int, int]:
+        lowered = runtime.background_thread()
+        return lowered, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), torch.get_num_threads()
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    lowered, nice, threads = in_thread(background)
+    assert lowered and nice == max(mine, runtime.BACKGROUND_NICE) and threads == 1
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # per thread, not process
+    assert in_thread(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) == mine

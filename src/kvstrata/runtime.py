@@ -88,6 +88,28 @@ def single_threaded_torch() -> None:
     lib.omp_set_num_threads(1)
 
 
+BACKGROUND_NICE = 10
+"""The CPU priority (Linux nice value) of threads whose work may wait (:func:`background_thread`)."""
+
+
+def background_thread() -> bool:
+    """For a thread whose work may wait (re-encoding, demotion): :func:`single_threaded_torch`,
+    and the calling thread's CPU priority lowered to ``BACKGROUND_NICE`` (Linux sets it per
+    thread), so that on a machine with few cores it yields them to the step thread's decode
+    (the step then runs as fast as in a quiet process). True if the priority was lowered."""
+    import os
+    import threading
+
+    single_threaded_torch()
+    try:
+        native_id = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, native_id)
+        os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
+    except (AttributeError, OSError):  # another OS
+        return False
+    return True
+
+
 # -- glibc's heap ---------------------------------------------------------------------------------
 #
 # A server frees most of what a request allocated (a step's activations and logits, a block's

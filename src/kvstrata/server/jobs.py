@@ -31,6 +31,7 @@ from kvstrata.engine.grammar import GrammarSpec
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.priority import Priority
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.server import responses
 from kvstrata.server.context import ServerContext
 from kvstrata.server.errors import APIError, from_kvstrata
@@ -264,6 +265,7 @@ def finish(ctx: ServerContext, job: Job) -> None:
 
 def run_job(ctx: ServerContext, job: Job) -> list[Response]:
     """Run the job's choices in the engine's batch, one after the other (they share a session)."""
+    single_threaded_torch()  # the batch computes; no OpenMP team here beside the step thread's
     gauge = ctx.metrics.in_flight.labels(job.priority.value)
     gauge.inc()
     try:

@@ -28,6 +28,7 @@ from typing import Any
 from kvstrata.engine.decoder import DecodeStep
 from kvstrata.engine.engine import Response, ResponseStream
 from kvstrata.errors import KVStrataError
+from kvstrata.runtime import single_threaded_torch
 from kvstrata.server import responses
 from kvstrata.server.call_stream import ArgumentsDelta, CallStart, CallStream, Event
 from kvstrata.server.context import ServerContext
@@ -73,6 +74,7 @@ def _generate_in_thread(
     then per choice ("step", (index, DecodeStep))... and ("choice", (index, Response)), then
     ("done", None) or ("fail", exc). Every exit emits, so the response waiting on these events
     never hangs."""
+    single_threaded_torch()  # the batch computes; no OpenMP team here beside the step thread's
     gauge = ctx.metrics.in_flight.labels(job.priority.value)
     gauge.inc()
     started = False

@@ -131,17 +131,26 @@ _MEASURE_ROWS = {"one_row": 1, "chunks": _PAD_BELOW}
 _MEASURE_REPEATS = 7
 _FASTER = 0.9
 """The packed kernel takes a row count over when it needs at most this share of MKL's time."""
+_COLD_BYTES = 48 << 20
+"""The measurement cycles through copies of the weight at least this large in all, more than
+the CPU's caches hold: a decode step reads every layer's weight from memory (its model is larger
+than the caches), and a kernel timed on one weight kept in the cache misses that. On an AMD EPYC VM
+(2026-12-05), one row through SmolLM2's 576x576 layer: MKL 0.039 ms and packed oneDNN 0.034 ms
+with the weight in the cache, 0.081 and 0.054 ms from memory (1536x576: 0.059 and 0.054 in the
+cache, 0.217 and 0.122 from memory), so timed in the cache one row stayed on MKL."""
 
 
 @functools.lru_cache(maxsize=32)
 def measure_routes(out_features: int, in_features: int) -> Routes:
-    """Time MKL (``F.linear``) against the packed oneDNN kernel on a random fp32 weight of this
-    shape, alternated, for one row and for a prefill chunk: the medians decide (once per shape and
-    process; a few milliseconds for SmolLM2's largest layer)."""
+    """Time MKL (``F.linear``) against the packed oneDNN kernel on random fp32 weights of this
+    shape, read from memory as in a decode step (:data:`_COLD_BYTES`), alternated, for one row and
+    for a prefill chunk: the medians decide (once per shape and process; about 0.3 s for each of
+    SmolLM2's shapes)."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen)
+    copies = max(1, -(-_COLD_BYTES // (out_features * in_features * 4)))
+    weights = list(torch.randn(copies, out_features, in_features, generator=gen).unbind())
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) for w in weights]
         chosen = {}
         for name, rows in _MEASURE_ROWS.items():
             x = torch.randn(rows, in_features, generator=gen)
@@ -150,14 +159,16 @@ def measure_routes(out_features: int, in_features: int) -> Routes:
                 for kernel in times:
                     started = time.perf_counter()
                     if kernel == "mkl":
-                        torch.nn.functional.linear(x, weight)
+                        for weight in weights:
+                            torch.nn.functional.linear(x, weight)
                     else:
-                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-                    times[kernel].append(time.perf_counter() - started)
+                        for weight in packed:
+                            torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+                    times[kernel].append((time.perf_counter() - started) / copies)
             mkl, onednn = statistics.median(times["mkl"]), statistics.median(times["packed"])
             chosen[name] = onednn <= _FASTER * mkl
             log.info(
-                "fp32 linear %dx%d, %d rows: MKL %.3f ms, packed oneDNN %.3f ms",
+                "fp32 linear %dx%d, %d rows, from memory: MKL %.3f ms, packed oneDNN %.3f ms",
                 out_features,
                 in_features,
                 rows,

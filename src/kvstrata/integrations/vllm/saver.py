@@ -24,20 +24,17 @@ from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.integrations.vllm.metadata import LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.ranks import rank_key
 from kvstrata.priority import Priority
+from kvstrata.runtime import BACKGROUND_NICE
 from kvstrata.store import KVStore
 from kvstrata.store.block import KVBlock
 
 log = logging.getLogger(__name__)
 
 
-BACKGROUND_NICE = 10
-"""The CPU priority (Linux nice value) of kvstrata's background threads in a worker: saving
-blocks, and the store's writers, yield the cores to the forward pass (on a CPU server they would
-otherwise slow the prefill that produced the blocks)."""
-
-
 def to_background(thread: threading.Thread) -> bool:
-    """Run ``thread`` at ``BACKGROUND_NICE``, on any core of the machine (Linux sets both per
+    """Run ``thread`` at ``BACKGROUND_NICE`` (saving blocks, and the store's writers, yield the
+    cores to the forward pass: on a CPU server they would otherwise slow the prefill that produced
+    the blocks), on any core of the machine (Linux sets both per
     thread). vLLM's CPU workers pin their threads to the cores of their rank and keep others
     free for other work; a background thread then need not share the forward pass's core."""
     native_id = getattr(thread, "native_id", None)

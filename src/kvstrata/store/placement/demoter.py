@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from kvstrata.config import StoreConfig
 from kvstrata.keys import BlockKey
-from kvstrata.runtime import single_threaded_torch
+from kvstrata.runtime import background_thread
 from kvstrata.store.placement.memory import MemoryTiers
 from kvstrata.store.placement.requests import DemotionRequests
 from kvstrata.tiering import TierLevel
@@ -56,7 +56,7 @@ class Demoter:
         self._thread.join()
 
     def _loop(self) -> None:
-        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
+        background_thread()  # no OpenMP team of its own, and it yields the cores to the step thread
         timers = [s for s in self._idle_limits.values() if s is not None]
         # wake up on demand, and often enough that idle timers fire within a quarter of their age
         tick = min([*(s / 4 for s in timers), 5.0])

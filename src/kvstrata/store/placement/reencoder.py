@@ -17,7 +17,7 @@ from kvstrata.codecs import Codec, loss_rank
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
-from kvstrata.runtime import single_threaded_torch
+from kvstrata.runtime import background_thread
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.durability import DiskWriter
@@ -82,7 +82,7 @@ class ReEncoder:
                 self._queue.put((key, None, None))
 
     def _loop(self) -> None:
-        single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
+        background_thread()  # no OpenMP team of its own, and it yields the cores to the step thread
         while True:
             item = self._queue.get()
             if item is None:
