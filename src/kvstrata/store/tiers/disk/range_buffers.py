@@ -29,21 +29,6 @@ DECODERS = 2
 read: int8 and KIVI dequantize every value)."""
 
 
-NATIVE_SLOT_BYTES = 64 << 20
-"""Bytes of buffers per restore for the ranges the native loop reads to be decoded: a buffer for
-every range when they fit, so that the loop never waits for a decoder (each wait leaves the disk
-idle: an int8 restore of 512 SmolLM2 tokens, 8 ranges, took 8.7-9.1 ms with 4 buffers and
-7.8-7.9 with 8; with 16 or 40 the same, alternated in one process), else as many as fit. Direct
-reads have no readahead to go on while the loop waits: an int8 restore of 4,096 tokens (52 MB)
-read direct took 1.06x the time of the page-cache reads with 32 MiB of buffers, 0.80x with 64 and
-0.75x with 128; an exact one (189 MB) 0.94x, 1.01x and 1.29x (memory past ``KEPT_BYTES`` is
-fresh, and faults page by page)."""
-NATIVE_MIN_SLOTS = 4
-"""Buffers for such ranges at least: one per decoder and two for the loop to read ahead into."""
-DECODERS = 2
-"""Threads decoding the ranges of records that are not read in place (a decode costs more than a
-read: int8 and KIVI dequantize every value)."""
-
 KEPT_BYTES = 2 * NATIVE_SLOT_BYTES
 """Bytes of range buffers the process keeps between restores (two restores' worth), whichever
 store they serve: a fresh buffer is fresh memory, which this VM's kernel zeroes page by page on
