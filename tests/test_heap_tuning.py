@@ -19,7 +19,7 @@ CHILD = textwrap.dedent(
     """
     import ctypes, json, sys
     from pathlib import Path
-    from kvstrata.runtime import tune_heap
+    from kvstrata.runtime import MMAP_THRESHOLD, tune_heap
 
     def rss():
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -30,11 +30,12 @@ CHILD = textwrap.dedent(
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    libc.free(libc.malloc(4 << 20))  # one large tensor freed: glibc raises its mmap threshold past it
+    size = 2 * MMAP_THRESHOLD  # a tensor above the tuned threshold (a large KV buffer)
+    libc.free(libc.malloc(2 * size))  # one freed: glibc's default raises its mmap threshold past it
     large, small = [], []
-    for _ in range(128):  # 32 MiB of 256 KiB tensors, each followed by a smaller chunk kept
-        chunk = libc.malloc(256 << 10)
-        ctypes.memset(chunk, 1, 256 << 10)
+    for _ in range((32 << 20) // size):  # 32 MiB of such tensors, each followed by a smaller chunk kept
+        chunk = libc.malloc(size)
+        ctypes.memset(chunk, 1, size)
         large.append(chunk)
         small.append(libc.malloc(64 << 10))  # under the threshold: from the heap, after the tensor
     filled = rss()

@@ -126,14 +126,25 @@ def background_thread() -> bool:
 # ``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_ARENA_MAX=2`` would: the same 8-minute soak, ~4,000
 # requests each, grew 580 MB/h outside L1 and L2 against 915 before (19 against 31 MB per 1,000
 # requests): less, not flat; the rest is not explained yet (docs/benchmarks/soak.md).
+#
+# A threshold of 128 KiB, though, gave every larger tensor a fresh mapping, faulted in and zeroed
+# page by page on each allocation: a step's activations are that large (SmolLM2's MLP activations
+# of 160 prompt tokens: 1 MB in fp32). Measured on the AMD EPYC VM (2026-12-05, SmolLM2 fp32, one
+# thread, the serve benchmark's burst of 8 follow-up turns in process): the step of their 160 new
+# prompt tokens took 600-718 ms with the 128 KiB threshold against 306-311 ms untuned, a decode
+# step of 8 rows 57-62 against 47-49 ms; with a threshold of 1 MiB 345-362 and 50-54 ms, with 4
+# MiB and 32 MiB about the same as 1 MiB. So the threshold is fixed at 4 MiB: a step's activations
+# at the default step budget (512 tokens) come from the heap, large KV buffers still get mappings
+# of their own. (That 128 KiB had cost kvstrata serve half its prefill speed: its 8-session TTFT
+# was 761 ms against 330-460 in process.)
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt's parameters (malloc.h)
-MMAP_THRESHOLD = 128 << 10
+MMAP_THRESHOLD = 4 << 20
 ARENA_MAX = 2
 
 
 def tune_heap() -> bool:
-    """Fix glibc's mmap threshold at 128 KiB and cap its arenas at 2, each unless the environment
+    """Fix glibc's mmap threshold at 4 MiB and cap its arenas at 2, each unless the environment
     sets it (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``: glibc's own reading of it stands).
     Call at the start of a long-running process, before its threads. False where not glibc."""
     import os
