@@ -92,22 +92,28 @@ BACKGROUND_NICE = 10
 """The CPU priority (Linux nice value) of threads whose work may wait (:func:`background_thread`)."""
 
 
+def lower_priority(native_id: int) -> bool:
+    """Lower the CPU priority of the thread ``native_id`` to ``BACKGROUND_NICE`` (Linux sets it
+    per thread; a priority already lower stays); False on another OS, or once the thread is gone."""
+    import os
+
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, native_id)
+        os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 def background_thread() -> bool:
     """For a thread whose work may wait (re-encoding, demotion): :func:`single_threaded_torch`,
-    and the calling thread's CPU priority lowered to ``BACKGROUND_NICE`` (Linux sets it per
-    thread), so that on a machine with few cores it yields them to the step thread's decode
-    (the step then runs as fast as in a quiet process). True if the priority was lowered."""
-    import os
+    and the calling thread's CPU priority lowered (:func:`lower_priority`), so that on a machine
+    with few cores it yields them to the step thread's decode (the step then runs as fast as in a
+    quiet process). True if the priority was lowered."""
     import threading
 
     single_threaded_torch()
-    try:
-        native_id = threading.get_native_id()
-        current = os.getpriority(os.PRIO_PROCESS, native_id)
-        os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
-    except (AttributeError, OSError):  # another OS
-        return False
-    return True
+    return lower_priority(threading.get_native_id())
 
 
 # -- glibc's heap ---------------------------------------------------------------------------------

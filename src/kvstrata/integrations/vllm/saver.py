@@ -24,7 +24,7 @@ from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.integrations.vllm.metadata import LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.ranks import rank_key
 from kvstrata.priority import Priority
-from kvstrata.runtime import BACKGROUND_NICE
+from kvstrata.runtime import lower_priority
 from kvstrata.store import KVStore
 from kvstrata.store.block import KVBlock
 
@@ -32,18 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def to_background(thread: threading.Thread) -> bool:
-    """Run ``thread`` at ``BACKGROUND_NICE`` (saving blocks, and the store's writers, yield the
+    """Run ``thread`` at ``runtime.BACKGROUND_NICE`` (saving blocks, and the store's writers, yield the
     cores to the forward pass: on a CPU server they would otherwise slow the prefill that produced
     the blocks), on any core of the machine (Linux sets both per
     thread). vLLM's CPU workers pin their threads to the cores of their rank and keep others
     free for other work; a background thread then need not share the forward pass's core."""
     native_id = getattr(thread, "native_id", None)
-    if native_id is None:
-        return False
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, native_id)
-        os.setpriority(os.PRIO_PROCESS, native_id, max(current, BACKGROUND_NICE))
-    except (AttributeError, OSError):  # another OS, or the thread is gone
+    if native_id is None or not lower_priority(native_id):
         return False
     with contextlib.suppress(AttributeError, OSError):  # the kernel keeps the cores this process may use
         os.sched_setaffinity(native_id, range(os.cpu_count() or 1))
