@@ -138,6 +138,62 @@ def test_sdpa_attention_rows_match_solo_sdpa() -> None:
     assert model.config._attn_implementation == "sdpa"  # restored after the step
 
 
+@pytest.mark.parametrize(
+    ("dtype", "attention"), [(torch.float32, "eager"), (torch.float32, "sdpa"), (torch.bfloat16, "sdpa")]
+)
+def test_the_direct_llama_step_gives_the_model_forwards_logits_bit_for_bit(
+    dtype: torch.dtype, attention: str
+) -> None:
+    """The written-out step (engine/batch/llama.py) against the same step through the model's own
+    forward: rows prefilling, decoding and tracking attention, over a few steps."""
+    model = tiny_llama(9, num_layers=3).to(dtype)
+    model.config._attn_implementation = attention
+    forwards = [BatchedForward(model, attention), BatchedForward(model, attention, direct_llama=False)]
+    assert forwards[0]._llama is not None and forwards[1]._llama is None
+    histories, prompts = [ids(31, 20), [], ids(32, 5)], [ids(33, 7), ids(34, 4), [6]]
+    kinds = [{"track_attention": False}, {"track_attention": True}, {"track_attention": False}]
+    rows = [
+        [BatchRow(restored(model, h), **kind) for h, kind in zip(histories, kinds, strict=True)]
+        for _ in forwards
+    ]
+    feeds = [list(p) for p in prompts]
+    for _ in range(4):
+        got = [
+            bf.forward([Segment(r, f) for r, f in zip(rs, feeds, strict=True)])
+            for bf, rs in zip(forwards, rows, strict=True)
+        ]
+        for direct, own in zip(*got, strict=True):
+            assert direct is not None and own is not None
+            torch.testing.assert_close(direct, own, atol=0, rtol=0)
+        feeds = [[int(logits.argmax())] for logits in got[0]]  # type: ignore[union-attr]
+    for direct, own in zip(*rows, strict=True):
+        keys = [row.cache.new_kv(0, row.length) for row in (direct, own)]
+        torch.testing.assert_close(keys[0], keys[1], atol=0, rtol=0)
+    torch.testing.assert_close(rows[0][1].block_mass(4), rows[1][1].block_mass(4), atol=0, rtol=0)
+
+
+def test_models_other_than_llama_run_through_their_own_forward() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=tiny_llama(0).config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    bf = BatchedForward(model, "eager")
+    assert bf._llama is None
+    row = BatchRow(restored(model, ids(35, 6)))
+    got = bf.forward([Segment(row, [3, 4])])[0]
+    want = solo_forward(model, restored(model, ids(35, 6)), [3, 4])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
 def test_bf16_rows_stay_close_to_solo_bf16() -> None:
     model = tiny_llama(7, num_layers=2).to(torch.bfloat16)
     bf = BatchedForward(model)
@@ -179,7 +235,7 @@ def test_a_failed_step_leaves_every_row_as_it_was(model: torch.nn.Module) -> Non
     def fail(*args: object) -> None:
         raise RuntimeError("injected failure in the last layer")
 
-    handle = model.model.layers[-1].register_forward_pre_hook(fail)
+    handle = model.model.layers[-1].mlp.down_proj.register_forward_pre_hook(fail)
     try:
         with pytest.raises(RuntimeError, match="injected"):
             bf.forward([Segment(rows[0], [3, 4]), Segment(rows[1], [5, 6, 7])])

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from kvstrata.engine.batch import decode_kernel
+from kvstrata.engine.batch import decode_kernel, llama
 from kvstrata.engine.batch.attention import (
     ATTENTION_NAME,
     STEP_KWARG,
@@ -176,9 +176,13 @@ class BatchedForward:
     each step: run steps on the thread (or under the lock) that owns the model.
     """
 
-    def __init__(self, model: torch.nn.Module, attention: str | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, attention: str | None = None, *, direct_llama: bool = True
+    ) -> None:
         """``attention``: the per-row attention, ``eager`` or ``sdpa`` (default: the model's own).
-        Rows that track attention always use eager (it returns the probabilities)."""
+        Rows that track attention always use eager (it returns the probabilities).
+        ``direct_llama``: run Llama models' steps written out (:mod:`.llama`; same logits, less
+        Python per layer); False runs every model through its own forward."""
         base = attention or model.config._attn_implementation
         if base not in _BASE_IMPLEMENTATIONS:
             raise ConfigError(
@@ -197,6 +201,8 @@ class BatchedForward:
         )
         if self._native:
             decode_kernel.start()  # in the background; sdpa until it is loaded
+        self._llama = llama.LlamaStep(model) if direct_llama and llama.supports(model) else None
+        """The step written out for Llama models (:mod:`.llama`); others run the model's forward."""
         AttentionInterface.register(ATTENTION_NAME, batched_attention)  # idempotent
         self._checked_attention: set[str] = set()
         configs = [model.config, *(m.config for m in model.modules() if isinstance(m, PreTrainedModel))]
@@ -229,24 +235,16 @@ class BatchedForward:
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)
-        previous = self.model.config._attn_implementation
         try:
-            self._set_attention(ATTENTION_NAME)
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                cache=StepCache(step),
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **{STEP_KWARG: step},
-            )
+            if self._llama is not None:
+                out = self._llama(step, input_ids, position_ids, logits_to_keep)
+            else:
+                out = self._model_forward(step, input_ids, position_ids, logits_to_keep)
         except BaseException:
             for row, length in zip(rows, lengths, strict=True):
                 _truncate(row, length)
             raise
-        finally:
-            self._set_attention(previous)
-        logits = out.logits[0].float()
+        logits = out[0].float()
         result: list[torch.Tensor | None] = []
         picked = 0
         for segment in segments:
@@ -256,6 +254,24 @@ class BatchedForward:
             else:
                 result.append(None)
         return result
+
+    def _model_forward(
+        self, step: Step, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The step through the model's own forward, its attention switched to the batched one."""
+        previous = self.model.config._attn_implementation
+        try:
+            self._set_attention(ATTENTION_NAME)
+            return self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                cache=StepCache(step),
+                use_cache=True,
+                logits_to_keep=keep,
+                **{STEP_KWARG: step},
+            ).logits
+        finally:
+            self._set_attention(previous)
 
     def _set_attention(self, name: str) -> None:
         """Switch the model's attention implementation to ``name``. transformers'

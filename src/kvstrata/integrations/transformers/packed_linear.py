@@ -71,6 +71,20 @@ def pack_linears(model: torch.nn.Module) -> int:
     return packed
 
 
+def is_packed(module: torch.nn.Module) -> bool:
+    """Whether :func:`pack_linears` or :func:`pad_fp32_linears` changed ``module``."""
+    return hasattr(module, _PACKED) or hasattr(module, _PADDED)
+
+
+def unpack(module: torch.nn.Module) -> None:
+    """Undo :func:`pack_linears` / :func:`pad_fp32_linears` on one module: its packed copy is
+    dropped and it runs ``F.linear`` on its weight again."""
+    for name in (_PACKED, _PACKED_FP32, _PADDED):
+        if hasattr(module, name):
+            delattr(module, name)
+    module.__dict__.pop("forward", None)
+
+
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return packed_linear(x, getattr(self, _PACKED), self.bias)
 
