@@ -144,12 +144,14 @@ def test_sdpa_attention_rows_match_solo_sdpa() -> None:
 def test_the_direct_llama_step_gives_the_model_forwards_logits_bit_for_bit(
     dtype: torch.dtype, attention: str
 ) -> None:
-    """The written-out step (engine/batch/llama.py) against the same step through the model's own
-    forward: rows prefilling, decoding and tracking attention, over a few steps."""
+    """The written-out step (engine/batch/llama.py, with torch's elementwise operators) against the
+    same step through the model's own forward: rows prefilling, decoding and tracking attention,
+    over a few steps."""
     model = tiny_llama(9, num_layers=3).to(dtype)
     model.config._attn_implementation = attention
     forwards = [BatchedForward(model, attention), BatchedForward(model, attention, direct_llama=False)]
     assert forwards[0]._llama is not None and forwards[1]._llama is None
+    forwards[0]._native_ops = False  # torch's operators; the native ones: test_layer_ops.py
     histories, prompts = [ids(31, 20), [], ids(32, 5)], [ids(33, 7), ids(34, 4), [6]]
     kinds = [{"track_attention": False}, {"track_attention": True}, {"track_attention": False}]
     rows = [

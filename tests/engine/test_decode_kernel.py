@@ -149,14 +149,17 @@ def test_the_kernel_is_for_fp32_and_bf16_sdpa_on_cpu_with_shapes_it_takes(
     sdpa = tiny_llama(33, num_layers=1)
     sdpa.set_attn_implementation("sdpa")
     assert BatchedForward(sdpa)._native and started == [1]
-    assert not BatchedForward(tiny_llama(33, num_layers=1))._native  # eager stays the reference
-    assert not BatchedForward(tiny_llama(33, num_layers=1).half(), attention="sdpa")._native
-    assert BatchedForward(sdpa.to(torch.bfloat16))._native and started == [1, 1]
+    eager = BatchedForward(tiny_llama(33, num_layers=1))
+    assert not eager._native  # eager attention stays the reference
+    assert eager._native_ops and started == [1, 1]  # the Llama step's elementwise operations
+    half = BatchedForward(tiny_llama(33, num_layers=1).half(), attention="sdpa")
+    assert not half._native and not half._native_ops and started == [1, 1]
+    assert BatchedForward(sdpa.to(torch.bfloat16))._native and started == [1, 1, 1]
     narrow = tiny_llama(33, num_layers=1, hidden=32, heads=4)  # head_dim 8: not a multiple of 16
     assert not decode_kernel.fits(narrow.config)
     wide_groups = tiny_llama(33, num_layers=1, hidden=256, heads=16, kv_heads=1)  # 16 per group
     assert not decode_kernel.fits(wide_groups.config)
-    assert started == [1, 1]
+    assert started == [1, 1, 1]
 
 
 def test_turning_the_kernel_off_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

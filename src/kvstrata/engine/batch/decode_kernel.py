@@ -8,7 +8,8 @@ runs all decode rows of a layer in one call, one (row, kv head) per thread at a 
 arithmetic (the common shapes compiled with their sizes fixed, so queries and accumulators stay in
 registers): 23.5 ms for the same rows in fp32, 22 ms in bf16 (alternated in one process,
 2026-11-30). bf16 keys and values are read as they are and computed in fp32, as sdpa's bf16
-kernel does.
+kernel does. The same module carries the elementwise operations of the Llama step
+(``layer_ops.cpp``, :mod:`.llama`).
 
 How it is built: with torch's C++ extension loader (``torch.utils.cpp_extension.load``: a C++
 compiler and ninja), once per machine and torch version, cached in torch's extensions directory
@@ -44,6 +45,8 @@ from kvstrata.native import ENV, BackgroundBuild
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
+LAYER_OPS_SOURCE = Path(__file__).with_name("layer_ops.cpp")
+"""The elementwise parts of a batched Llama step (:mod:`.llama`), built into the same module."""
 NAME = f"kvstrata_decode_attention_{hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]}"
 """One build per environment: a build compiles against its environment's torch headers, and two
 environments sharing one build directory (the project's venv and vLLM's) rebuilt it in turn."""
@@ -74,8 +77,9 @@ def load(timeout: float | None = None) -> ModuleType | None:
 def _unavailable() -> str | None:
     if os.environ.get(ENV, "1") == "0":
         return f"turned off ({ENV}=0)"
-    if not SOURCE.is_file():
-        return f"the kernel's source is missing ({SOURCE})"
+    for source in (SOURCE, LAYER_OPS_SOURCE):
+        if not source.is_file():
+            return f"the kernel's source is missing ({source})"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} not found)"
@@ -105,7 +109,8 @@ def _build() -> tuple[ModuleType | None, str]:
         directory = Path(_get_build_directory(NAME, False))
         with _builder_lock(directory):
             _clear_left_lock(directory)
-            module = load_extension(NAME, [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+            sources = [str(SOURCE), str(LAYER_OPS_SOURCE)]
+            module = load_extension(NAME, sources, extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # a compiler error, a broken toolchain: sdpa keeps working
         log.warning("the native decode-attention kernel failed to build; using sdpa\n%s", exc)
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]

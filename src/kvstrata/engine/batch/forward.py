@@ -199,10 +199,16 @@ class BatchedForward:
             and all(device.type == "cpu" for device in layer_devices(model))
             and decode_kernel.fits(model.config)
         )
-        if self._native:
-            decode_kernel.start()  # in the background; sdpa until it is loaded
         self._llama = llama.LlamaStep(model) if direct_llama and llama.supports(model) else None
         """The step written out for Llama models (:mod:`.llama`); others run the model's forward."""
+        self._native_ops = (
+            self._llama is not None
+            and model.dtype in (torch.float32, torch.bfloat16)
+            and all(device.type == "cpu" for device in layer_devices(model))
+        )
+        """The Llama step's elementwise operations from the native module once it is loaded."""
+        if self._native or self._native_ops:
+            decode_kernel.start()  # in the background; torch's operators until it is loaded
         AttentionInterface.register(ATTENTION_NAME, batched_attention)  # idempotent
         self._checked_attention: set[str] = set()
         configs = [model.config, *(m.config for m in model.modules() if isinstance(m, PreTrainedModel))]
@@ -237,7 +243,8 @@ class BatchedForward:
         logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)
         try:
             if self._llama is not None:
-                out = self._llama(step, input_ids, position_ids, logits_to_keep)
+                ops = decode_kernel.loaded() if self._native_ops else None
+                out = self._llama(step, input_ids, position_ids, logits_to_keep, ops)
             else:
                 out = self._model_forward(step, input_ids, position_ids, logits_to_keep)
         except BaseException:
