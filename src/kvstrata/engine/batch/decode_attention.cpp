@@ -623,7 +623,6 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
 // layer_ops.cpp: the elementwise parts of a batched Llama step
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Tensor& weight, double eps);
-at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -639,7 +638,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta in place, then rms_norm(hidden).", py::arg("hidden"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of x's last dim holding gate then up.", py::arg("x"));
   m.def("rotate", &rotate, "Rotary embedding of (tokens, heads, dim) as apply_rotary_pos_emb.", py::arg("x"),
         py::arg("cos"), py::arg("sin"));
 }

@@ -15,9 +15,9 @@ test compares its logits and KV with the model's own forward):
   packed in their place. Each output element is the same dot product either way.
 - queries and keys are rotated in one operation over all heads.
 
-Its elementwise operations (RMSNorm, the residual add fused with the next norm, rotary, SiLU *
-up) come from the native module of :mod:`.decode_kernel` once it is loaded (``layer_ops.cpp``;
-torch's operators until then, and where it cannot be built). Right after a linear layer has
+Its elementwise operations (RMSNorm, the residual add fused with the next norm, rotary) come
+from the native module of :mod:`.decode_kernel` once it is loaded (``layer_ops.cpp``; torch's
+operators until then, and where it cannot be built; SiLU * up always torch's). Right after a linear layer has
 streamed its weight through the caches, each torch operator pays its dispatch and its cache
 misses again: an RMSNorm of one row took 45 us there against 15 us alone. The native operations
 follow torch's rounding (bfloat16 bit for bit but for RMSNorm's sum of squares, added in another
@@ -30,11 +30,8 @@ Measured (SmolLM2, one thread, Intel Xeon VM with AMX, 2026-12-05; the model's o
 57.1 ms in fp32, 45.5 / 46.4 -> 42.8 / 42.7 ms in bf16. All of SmolLM2's bf16 linear layers of a
 one-row step, packed, read from memory: 25.3 ms as seven per layer, 23.6 ms fused into four.
 The native elementwise operations against torch's, alternated in one process (histories of 500
-tokens): one row 42.1 -> 37.7 ms (bf16), 60.3 -> 55.7 ms (fp32); 8 rows 63.4 -> 60.0 ms (bf16),
-102.4 -> 96.5 ms (fp32).
-
-Only ``LlamaForCausalLM`` takes this path (:func:`supports`); other architectures keep the
-model's own forward.
+tokens, with the decode kernel's prefetch): one row 42.7 -> 38.8 ms (bf16), 60.7 -> 56.6 ms
+(fp32); 8 rows 60.6 -> 55.7 ms (bf16), 106.3 -> 100.5 ms (fp32).
 """
 
 from __future__ import annotations
@@ -193,21 +190,20 @@ class LlamaStep:
             delta = attention.o_proj(out.reshape(1, tokens, -1))
             norm = layer.post_attention_layernorm
             x = ops.add_rms_norm(hidden, delta, norm.weight, float(norm.variance_epsilon))
-            delta = layer.mlp.down_proj(ops.silu_mul(fused.gate_up(x)))
+            delta = layer.mlp.down_proj(TorchOps.silu_mul(fused.gate_up(x)))
             x = ops.add_rms_norm(hidden, delta, *self._norms[index + 1])
         return self.model.lm_head(x[:, keep, :])
 
 
 class LayerOps(Protocol):
-    """The elementwise operations of a step: torch's (:class:`TorchOps`) or the native ones."""
+    """The elementwise operations of a step: torch's (:class:`TorchOps`) or the native ones
+    (SiLU * up is always torch's: vectorized, it is faster than a scalar loop)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor: ...
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
 
