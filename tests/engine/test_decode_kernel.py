@@ -5,6 +5,8 @@ path, its clear refusals, and the conditions under which it stays off."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -160,6 +162,26 @@ def test_the_kernel_is_for_fp32_and_bf16_sdpa_on_cpu_with_shapes_it_takes(
     wide_groups = tiny_llama(33, num_layers=1, hidden=256, heads=16, kv_heads=1)  # 16 per group
     assert not decode_kernel.fits(wide_groups.config)
     assert started == [1, 1, 1]
+
+
+def test_a_built_kernel_is_loaded_before_the_first_step(kernel: ModuleType) -> None:
+    """In a new process (a server's start), with the kernel built before: it is loaded when the
+    batched forward is made, so the first request's steps run with it as the later ones do (a
+    first step with torch's operators gave KV that differed from the next request's by float
+    rounding)."""
+    assert decode_kernel.built()
+    code = (
+        "from kvstrata.engine.batch import BatchedForward, decode_kernel\n"
+        "from kvstrata.integrations.transformers.model import tiny_llama\n"
+        "model = tiny_llama(33, num_layers=1)\n"
+        "model.set_attn_implementation('sdpa')\n"
+        "assert decode_kernel.loaded() is None\n"
+        "BatchedForward(model)\n"
+        "print(decode_kernel.status())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["loaded"]
 
 
 def test_turning_the_kernel_off_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,8 @@ How it is built: with torch's C++ extension loader (``torch.utils.cpp_extension.
 compiler and ninja), once per machine and torch version, cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); a build takes about half a
 minute on 2 cores and runs in a background thread, the steps using sdpa until it is loaded.
+A build found there (:func:`built`) is loaded before a batched forward's first step instead, so
+that a process's requests all run one implementation.
 Where it cannot be used (no compiler or ninja, a CPU without AVX-512, a failed build, or
 ``KVSTRATA_NATIVE_KERNELS=0``) the batched step keeps sdpa, and :func:`status` says why.
 
@@ -72,6 +74,23 @@ def start() -> None:
 def load(timeout: float | None = None) -> ModuleType | None:
     """Build and load the kernel now (waiting at most ``timeout`` seconds); None if unavailable."""
     return _KERNEL.load(timeout)
+
+
+def built() -> bool:
+    """Whether torch's extensions directory holds a build of these sources (loading it takes a
+    few tens of milliseconds, not a compile): its library is newer than both sources and its
+    ninja file names them. A guess on the safe side: where it says yes, torch's loader may still
+    find something to rebuild, and where it says no, the kernel is built in the background."""
+    from torch.utils.cpp_extension import _get_build_directory  # where load() builds
+
+    try:
+        directory = Path(_get_build_directory(NAME, False))
+        built_at = (directory / f"{NAME}.so").stat().st_mtime
+        ninja = (directory / "build.ninja").read_text()
+        sources = [(str(source), source.stat().st_mtime) for source in (SOURCE, LAYER_OPS_SOURCE)]
+    except OSError:
+        return False
+    return all(path in ninja and mtime <= built_at for path, mtime in sources)
 
 
 def _unavailable() -> str | None:

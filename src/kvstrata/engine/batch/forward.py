@@ -64,6 +64,10 @@ from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 
 _BASE_IMPLEMENTATIONS = ("eager", "sdpa")
+KERNEL_LOAD_WAIT_S = 60.0
+"""How long a new :class:`BatchedForward` waits for a native module that is already built (a load
+takes tens of milliseconds; where torch's loader finds a source changed, it recompiles: the steps
+then start with torch's operators after this wait)."""
 __all__ = ["BatchRow", "BatchedForward", "Segment", "StepInterrupted"]
 
 
@@ -209,6 +213,12 @@ class BatchedForward:
         """The Llama step's elementwise operations from the native module once it is loaded."""
         if self._native or self._native_ops:
             decode_kernel.start()  # in the background; torch's operators until it is loaded
+            if decode_kernel.built():
+                # Built before: load it before the first step, so that every step of this process
+                # runs one implementation. A first step with torch's operators and the rest with
+                # the kernel gave a request KV that differed by float rounding from the same
+                # request's a moment later (a server's first request against its second).
+                decode_kernel.load(timeout=KERNEL_LOAD_WAIT_S)
         AttentionInterface.register(ATTENTION_NAME, batched_attention)  # idempotent
         self._checked_attention: set[str] = set()
         configs = [model.config, *(m.config for m in model.modules() if isinstance(m, PreTrainedModel))]
