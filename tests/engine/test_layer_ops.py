@@ -13,6 +13,7 @@ from batch_reference import ids, restored
 
 from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, decode_kernel
 from kvstrata.engine.batch.llama import TorchOps
+from kvstrata.integrations.transformers.layer import KVStrataLayer, append_rows
 from kvstrata.integrations.transformers.model import tiny_llama
 
 
@@ -91,3 +92,35 @@ def test_a_step_with_the_native_operations_stays_with_the_models_forward(
             assert g is not None and w is not None
             torch.testing.assert_close(g, w, atol=atol, rtol=rtol)
         feeds = [[int(w.argmax())] for w in want]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_appended_in_one_call_are_as_appended_row_by_row(ops: ModuleType, dtype: torch.dtype) -> None:
+    """All rows of a layer appended by the native module: the same buffers and views as one
+    append per row, the layers' own view tensors lengthened in place; a full buffer or another
+    dtype leaves everything as it was (the caller then appends row by row and grows it)."""
+    histories = [5, 0, 63]  # a full buffer after one token: capacity 64
+    mine, theirs = [KVStrataLayer() for _ in histories], [KVStrataLayer() for _ in histories]
+    for i, n in enumerate(histories):
+        keys, values = rand(1, 3, n, 16, dtype=dtype, seed=i), rand(1, 3, n, 16, dtype=dtype, seed=10 + i)
+        mine[i].load_prefix(keys, values)
+        theirs[i].load_prefix(keys, values)
+    views = [(layer.keys, layer.values) for layer in mine]
+    packed = rand(4, 2, 3, 16, dtype=dtype, seed=20)  # (tokens, k/v, heads, dim): strided as a step's
+    keys, values = (packed[:, j].transpose(0, 1).unsqueeze(0) for j in (0, 1))
+    sizes = [1, 2, 1]
+    assert append_rows(ops, mine, keys, values, sizes)
+    for layer, k, v in zip(theirs, keys.split(sizes, 2), values.split(sizes, 2), strict=True):
+        layer.append(k, v)
+    for a, b, (k, v) in zip(mine, theirs, views, strict=True):
+        assert a.keys is k and a.values is v  # the same tensors, lengthened
+        assert a.length == b.length == a.keys.shape[2]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    before = [(layer.length, layer.keys.clone(), layer.keys.shape) for layer in mine]
+    assert not append_rows(ops, mine, keys[:, :, :3], values[:, :, :3], [1, 1, 1])  # row 2 is full
+    assert not append_rows(ops, mine[:1], keys[:, :, :1].double(), values[:, :, :1].double(), [1])
+    for layer, (length, kept, shape) in zip(mine, before, strict=True):
+        assert layer.length == length and layer.keys.shape == shape and torch.equal(layer.keys, kept)
+    assert not append_rows(ops, [KVStrataLayer()], keys[:, :, :1], values[:, :, :1], [1])  # empty layer
+    with pytest.raises(RuntimeError, match="the sizes add up to the new tokens"):
+        append_rows(ops, mine, keys, values, [1, 1, 1])

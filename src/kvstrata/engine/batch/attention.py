@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from kvstrata.engine.batch import decode_kernel
 from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.integrations.transformers.cache import KVStrataCache
+from kvstrata.integrations.transformers.layer import append_rows
 from kvstrata.integrations.transformers.paged import PagedLayer
 
 ATTENTION_NAME = "kvstrata_batched"
@@ -105,18 +106,24 @@ class StepCache(Cache):
     """The cache the model sees during a batched step: ``update`` appends each row's slice of the
     packed new KV to the row's own layer and keeps views of the rows' exact tokens for attention."""
 
-    def __init__(self, step: Step) -> None:
+    def __init__(self, step: Step, native: ModuleType | None = None) -> None:
         super().__init__(layers=[])
         self.step = step
+        self.native = native
+        """The native module (:mod:`.decode_kernel`): all rows of a layer appended in one call."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sizes = self.step.sizes
+        layers = [row.cache.layers[layer_idx] for row in self.step.rows]
+        if self.native is not None and append_rows(self.native, layers, key_states, value_states, sizes):
+            self.step.views[layer_idx] = [(layer.keys, layer.values) for layer in layers]
+            return key_states, value_states
         keys, values = key_states.split(sizes, dim=2), value_states.split(sizes, dim=2)
         self.step.views[layer_idx] = [
-            row.cache.layers[layer_idx].append(k, v)  # type: ignore[attr-defined]
-            for row, k, v in zip(self.step.rows, keys, values, strict=True)
+            layer.append(k, v)  # type: ignore[attr-defined]
+            for layer, k, v in zip(layers, keys, values, strict=True)
         ]
         return key_states, value_states
 

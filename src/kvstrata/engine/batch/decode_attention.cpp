@@ -503,20 +503,22 @@ bool page_fits(int64_t codec, int64_t group, int64_t dim) {
 
 bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); }
 
-// query: (rows, kv_heads, group, head_dim) float32; keys[r], values[r]: (1, kv_heads, length_r,
+// query: (rows, kv_heads, group, head_dim) float32 or bfloat16; keys[r], values[r]: (1, kv_heads, length_r,
 // head_dim), all float32 or all bfloat16, on CPU with the last dimension contiguous (the row's
 // exact tokens). Optionally, per row: arenas[r] (uint8, the row's pages) with tables[r] (int64
 // (pages, 4): codec, byte offset, tokens, group; see kvstrata/codecs/pages.py), read at `layer`
 // of `num_layers`; masses[r] (float32 (kv_heads, >= tokens)) to which each token's attention
 // probability (summed over its group's queries) is added. Returns (rows, kv_heads, group,
-// head_dim) float32.
+// head_dim) in the query's dtype: the arithmetic is float32, a bfloat16 result rounded once (as
+// torch's .to() rounds; converted here, the two torch operators cost 1 ms of a 30-layer step).
 at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tensor>& keys,
                             const std::vector<at::Tensor>& values, double scale,
                             const std::vector<at::Tensor>& arenas, const std::vector<at::Tensor>& tables,
                             int64_t layer, int64_t num_layers, const std::vector<at::Tensor>& masses) {
   TORCH_CHECK(supported(), "decode_attention needs a CPU with AVX-512");
-  TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat && query.device().is_cpu(),
-              "query: float32 (rows, kv_heads, group, head_dim) on CPU");
+  TORCH_CHECK(query.dim() == 4 && (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
+                  query.device().is_cpu(),
+              "query: float32 or bfloat16 (rows, kv_heads, group, head_dim) on CPU");
   const int64_t rows = query.size(0), heads = query.size(1), groups = query.size(2),
                 dim = query.size(3);
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
@@ -586,10 +588,17 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   const bool bf16 = kv_type == at::kBFloat16;
   const int64_t element = bf16 ? 2 : 4;
-  const float* qdata = q.data_ptr<float>();
-  float* odata = out.data_ptr<float>();
+  const bool bf16_query = query.scalar_type() == at::kBFloat16;
+  std::vector<float> qfloats;
+  if (bf16_query) {
+    const at::BFloat16* from = q.data_ptr<at::BFloat16>();
+    qfloats.resize(q.numel());
+    for (int64_t i = 0; i < q.numel(); ++i) qfloats[i] = static_cast<float>(from[i]);
+  }
+  const float* qdata = bf16_query ? qfloats.data() : q.data_ptr<float>();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<float> item_out(bf16_query ? groups * dim : 0);
     std::vector<Page> head_pages;
     for (int64_t thread = begin; thread < end; ++thread) {
       for (int64_t i = thread; i < items; i += threads) {
@@ -611,9 +620,14 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
                         totals[r],
                         mass};
         scores.resize(groups * ((totals[r] + kLanes - 1) / kLanes * kLanes));
-        attend(qdata + (r * heads + h) * groups * dim, item, static_cast<int>(groups),
-               static_cast<int>(dim / kLanes), bf16, static_cast<float>(scale), scores.data(),
-               odata + (r * heads + h) * groups * dim);
+        const int64_t at = (r * heads + h) * groups * dim;
+        float* result = bf16_query ? item_out.data() : out.data_ptr<float>() + at;
+        attend(qdata + at, item, static_cast<int>(groups), static_cast<int>(dim / kLanes), bf16,
+               static_cast<float>(scale), scores.data(), result);
+        if (bf16_query) {
+          at::BFloat16* to = out.data_ptr<at::BFloat16>() + at;
+          for (int64_t j = 0; j < groups * dim; ++j) to[j] = static_cast<at::BFloat16>(result[j]);
+        }
       }
     }
   });
@@ -624,6 +638,8 @@ at::Tensor decode_attention(const at::Tensor& query, const std::vector<at::Tenso
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Tensor& weight, double eps);
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+bool append_rows(const at::Tensor& keys, const at::Tensor& values, const std::vector<at::Tensor>& buffers,
+                 std::vector<at::Tensor> views, const std::vector<int64_t>& sizes);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512 and F16C).");
@@ -640,4 +656,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("delta"), py::arg("weight"), py::arg("eps"));
   m.def("rotate", &rotate, "Rotary embedding of (tokens, heads, dim) as apply_rotary_pos_emb.", py::arg("x"),
         py::arg("cos"), py::arg("sin"));
+  m.def("append_rows", &append_rows,
+        "Append each row's new keys and values to its layer's buffer and lengthen its views in place.",
+        py::arg("keys"), py::arg("values"), py::arg("buffers"), py::arg("views"), py::arg("sizes"));
 }

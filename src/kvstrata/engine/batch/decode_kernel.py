@@ -197,7 +197,9 @@ def decode_attention(
     attention probability is added, pages first (in table order), then exact tokens."""
     rows, heads, dim = query.shape
     kv_heads = keys[0].shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    if grouped.dtype not in (torch.float32, torch.bfloat16):
+        grouped = grouped.float()
     if pages is None:
         out = module.decode_attention(grouped, keys, values, scaling, masses=masses or [])
     else:
@@ -212,7 +214,8 @@ def decode_attention(
             pages.num_layers,
             masses or [],
         )
-    return out.view(rows, heads, dim).to(query.dtype)
+    out = out.view(rows, heads, dim)  # in the dtype of the query it was given
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,7 +282,7 @@ class BatchedForward:
             return self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                cache=StepCache(step),
+                cache=StepCache(step, step.kernel),  # the native module when it is in use
                 use_cache=True,
                 logits_to_keep=keep,
                 **{STEP_KWARG: step},

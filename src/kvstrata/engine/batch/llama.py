@@ -166,6 +166,7 @@ class LlamaStep:
         row's new keys and values to its cache as the model's own forward does. ``ops``: the
         native elementwise operations (:mod:`.decode_kernel`'s module, ``layer_ops.cpp``); None
         runs torch's, as transformers does, bit for bit."""
+        native = None if ops is None or ops is TorchOps else ops
         ops = ops or TorchOps
         inner = self.model.model
         heads, kv_heads, head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
@@ -174,7 +175,7 @@ class LlamaStep:
         hidden = inner.embed_tokens(input_ids)  # a fresh tensor: the residual adds go into it
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos[0], sin[0]  # (tokens, head_dim)
-        cache = StepCache(step)
+        cache = StepCache(step, native)  # type: ignore[arg-type]
         kwargs = {STEP_KWARG: step}
         x = ops.rms_norm(hidden, *self._norms[0])
         for index, (layer, fused) in enumerate(zip(inner.layers, self.fused, strict=True)):

@@ -7,6 +7,8 @@ a restore's buffer is adopted as it is (no copy). :mod:`.paged` extends it with 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -129,3 +131,30 @@ class KVStrataLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._sync_from_views()
+
+
+def append_rows(
+    native: ModuleType,
+    layers: Sequence[Any],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sizes: list[int],
+) -> bool:
+    """Append the rows' new tokens to their :class:`KVStrataLayer` ``layers`` (one per row, the
+    same layer of each) in one call of the native module (:mod:`kvstrata.engine.batch.decode_kernel`,
+    ``append_rows``): ``keys`` / ``values`` ``(1, kv_heads, tokens, head_dim)``, ``sizes[i]`` of
+    the tokens row ``i``'s. Each layer's ``keys`` / ``values`` views are lengthened in place, so
+    that no new view is made per row and layer. False, with nothing written, where a layer is
+    empty, its buffer full or of another dtype: the caller appends row by row (growing them)."""
+    buffers: list[torch.Tensor] = []
+    views: list[torch.Tensor] = []
+    for layer in layers:
+        if layer._key_buffer is None:
+            return False
+        buffers += (layer._key_buffer, layer._value_buffer)
+        views += (layer.keys, layer.values)
+    if not native.append_rows(keys, values, buffers, views, sizes):
+        return False
+    for layer, n in zip(layers, sizes, strict=True):
+        layer.length += n
+    return True
