@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -79,6 +80,19 @@ class Step:
     """Per native row, the buffer its attention mass is added to (empty: not tracked)."""
     masks: list[torch.Tensor | None] = field(default_factory=list)
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    grouped: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per prefilling row, its mask repeated per query head group (:meth:`grouped_mask`)."""
+
+    def grouped_mask(self, row: int, group: int) -> torch.Tensor:
+        """Row ``row``'s mask repeated for the ``group`` query heads of a key/value head
+        (:func:`_sdpa_grouped`): made at the step's first layer, used by all."""
+        mask = self.grouped.get(row)
+        if mask is None:
+            mask = self.masks[row]
+            assert mask is not None
+            mask = mask.repeat(1, 1, group, 1) if group > 1 else mask
+            self.grouped[row] = mask
+        return mask
 
     def plan_native(self, kernel: ModuleType, device: torch.device) -> None:
         """Give ``kernel`` the step's decode rows (their pages and attention mass with them)."""
@@ -172,6 +186,9 @@ def batched_attention(
             row.add_attention(weights)
         elif sdpa and q.shape[2] == 1:
             out = _sdpa_one_query(q, keys, values, scaling)
+        elif sdpa and mask is not None:
+            group = q.shape[1] // keys.shape[1]
+            out = _sdpa_grouped(q, keys, values, step.grouped_mask(i, group), scaling)
         else:
             out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=0.0)
         outputs[i] = out  # (1, n, heads, D)
@@ -209,8 +226,23 @@ def _sdpa_one_query(
     batching bench). Returns ``(1, 1, heads, D)`` as the attention functions do."""
     heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
     grouped = query.reshape(1, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
+    out = F.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
     return out.reshape(1, 1, heads, dim)
+
+
+def _sdpa_grouped(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """A row's queries ``(1, heads, n, D)`` against its keys, without repeating the key/value
+    heads: the query heads that share a key/value head stand one after another as more query
+    tokens, one sdpa call over the key/value heads; ``mask`` is the row's mask repeated for them
+    (:meth:`Step.grouped_mask`). transformers' sdpa attention repeats each key/value head for its
+    queries whenever a mask is given (a copy of the row's whole history per layer). Returns
+    ``(1, n, heads, D)`` as the attention functions do."""
+    _, heads, n, dim = query.shape
+    grouped = query.reshape(1, keys.shape[1], -1, dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
+    return out.view(1, heads, n, dim).transpose(1, 2)
 
 
 def row_mask(
@@ -223,8 +255,6 @@ def row_mask(
         return None
     first_hidden = torch.arange(n_new, device=device) + (n_total - n_new) + 1
     hidden = torch.arange(n_total, device=device)[None, :] >= first_hidden[:, None]
-    if base == "sdpa":
-        return (~hidden).view(1, 1, n_new, n_total)
     mask = torch.zeros(n_new, n_total, dtype=dtype, device=device)
-    mask.masked_fill_(hidden, torch.finfo(dtype).min)
+    mask.masked_fill_(hidden, -torch.inf if base == "sdpa" else torch.finfo(dtype).min)
     return mask.view(1, 1, n_new, n_total)
