@@ -98,6 +98,14 @@ constexpr int64_t kAhead = 16;  // tokens of exact keys or values read ahead of 
 inline void prefetch_bytes(const char* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
+// The same into L2, for the values of the tokens whose keys are being read: an item's values
+// (64 KiB for 500 bf16 tokens of a 64-wide head) then wait in L2 for the pass over them, the two
+// streams read from memory at once (SmolLM2, 8 rows of 500 tokens, a step's kernel calls, one
+// process each, alternated, this project's Intel VM: bf16 12.5 / 12.8 -> 10.9 / 11.6 ms, fp32
+// 19.1 / 19.0 -> 17.5 / 17.9 ms).
+inline void prefetch_bytes_l2(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
 
 // the first n (>= 1) of 16 lanes
 inline __mmask16 lanes_below(int64_t n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
@@ -397,6 +405,7 @@ struct Attend {
     for (; t + kLanes <= it.exact; t += kLanes) {
       for (int j = 0; j < kLanes; ++j) {
         prefetch_bytes(static_cast<const char*>(it.k) + (t + j + kAhead) * it.kstride * element, dim * element);
+        prefetch_bytes_l2(static_cast<const char*>(it.v) + (t + j + kAhead) * it.vstride * element, dim * element);
         v16 acc[kMaxGroup];
         for (int g = 0; g < groups; ++g) acc[g] = v16{};
         for (int c = 0; c < chunks; ++c) {
