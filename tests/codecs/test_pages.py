@@ -115,7 +115,10 @@ def _arena(lay: KVLayout, plan: list[tuple[str, int, int]]) -> PageArena:
     return arena
 
 
-def test_an_arena_dequantizes_a_layer_natively_to_the_torch_paths_bits() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_arena_dequantizes_a_layer_natively_to_the_torch_paths_bits(dtype: torch.dtype) -> None:
+    """float32, and bfloat16 written directly: the bits of float32 then ``.to(torch.bfloat16)``
+    (pages of partial 16-token tiles included: 37 and 50 tokens)."""
     if _pages_native.LIBRARY.load(300) is None:
         pytest.skip(f"the native dequantization is not available here: {_pages_native.LIBRARY.status()}")
     lay = layout()
@@ -125,7 +128,7 @@ def test_an_arena_dequantizes_a_layer_natively_to_the_torch_paths_bits() -> None
     )
     assert arena.tokens == 279 and arena.table[:, 0].tolist() == [10, 5, 6, 10, 5]
     for layer in range(lay.num_layers):
-        native = torch.zeros(2, 3, 300, 64)
+        native = torch.zeros(2, 3, 300, 64, dtype=dtype)
         assert _pages_native.dequantize_layer(arena.buffer, arena.table, layer, 3, native[0], native[1])
         by_torch = torch.zeros(2, 3, 300, 64)
         t0 = 0
@@ -133,7 +136,8 @@ def test_an_arena_dequantizes_a_layer_natively_to_the_torch_paths_bits() -> None
             kv = pages.dequantize(arena.block_pages(index)[layer : layer + 1], spec)
             by_torch[:, :, t0 : t0 + spec.tokens] = kv[:, 0]
             t0 += spec.tokens
-        assert torch.equal(native, by_torch)
+        assert torch.equal(native, by_torch.to(dtype))
+        assert not native[:, :, 279:].any()  # nothing written past the pages' tokens
 
 
 def test_an_arena_keeps_blocks_in_sequence_order_and_refuses_overlaps() -> None:

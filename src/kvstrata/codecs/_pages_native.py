@@ -18,6 +18,8 @@ from kvstrata.native import NativeLibrary
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+MAX_HEAD_DIM = 256
+"""The widest head the library dequantizes (its key tile's TILE_DIM)."""
 
 
 def _setup(lib: ctypes.CDLL) -> str | None:
@@ -26,7 +28,7 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     if not lib.kvs_pages_supported():
         return "this CPU has no AVX-512"
     lib.kvs_pages_dequant.restype = None
-    lib.kvs_pages_dequant.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64]
+    lib.kvs_pages_dequant.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64]
     return None
 
 
@@ -42,17 +44,19 @@ def dequantize_layer(
     arena: torch.Tensor, table: torch.Tensor, layer: int, heads: int, out_k: torch.Tensor, out_v: torch.Tensor
 ) -> bool:
     """Dequantize every page of ``table`` (checked against ``arena`` by the caller) at ``layer``
-    into ``out_k`` / ``out_v`` (float32 CPU ``(heads, >= tokens, head_dim)``, head_dim
-    contiguous, the same strides); False when the library is not loaded (yet) or the tensors do
-    not fit it: the caller dequantizes with torch. Starts the library's build on first use."""
+    into ``out_k`` / ``out_v`` (float32 or bfloat16 CPU ``(heads, >= tokens, head_dim)``, head_dim
+    contiguous and at most 256, the same dtype and strides; bfloat16 rounded as ``.to()``
+    rounds); False when the library is not loaded (yet) or the tensors do not fit it: the caller
+    dequantizes with torch. Starts the library's build on first use."""
     lib = LIBRARY.loaded()
     if lib is None:
         LIBRARY.start()
         return False
     if (
         arena.device.type != "cpu"
-        or out_k.dtype is not torch.float32
-        or out_v.dtype is not torch.float32
+        or out_k.dtype not in (torch.float32, torch.bfloat16)
+        or out_v.dtype is not out_k.dtype
+        or out_k.shape[-1] > MAX_HEAD_DIM
         or out_k.device.type != "cpu"
         or out_k.stride() != out_v.stride()
         or out_k.stride(-1) != 1
@@ -63,5 +67,6 @@ def dequantize_layer(
     lib.kvs_pages_dequant(
         arena.data_ptr(), table.data_ptr(), table.shape[0], layer, heads, out_k.shape[-1],
         out_k.data_ptr(), out_v.data_ptr(), out_k.stride(0), out_k.stride(1),
+        int(out_k.dtype is torch.bfloat16),
     )  # fmt: skip
     return True

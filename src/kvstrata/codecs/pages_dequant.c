@@ -8,9 +8,11 @@
  * with scatters of 16 tokens; values lie token by token.
  *
  * table: pages x 4 int64 (codec id, byte offset of the block's pages in `arena`, tokens, group),
- * each block's pages (layers, heads, page bytes); out_k / out_v: float32, the block's tokens in
- * table order, element (h, t, d) at h * head_stride + t * token_stride + d. The caller has
- * checked the table against the arena (kvstrata/codecs/_pages_native.py). */
+ * each block's pages (layers, heads, page bytes); out_k / out_v: float32, or bfloat16 with `bf16`
+ * (each float32 result rounded to nearest even, as torch's .to(torch.bfloat16) rounds: the same
+ * bits as float32 then converted, without writing the float32 layer and reading it again), the
+ * block's tokens in table order, element (h, t, d) at h * head_stride + t * token_stride + d. The
+ * caller has checked the table against the arena (kvstrata/codecs/_pages_native.py). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -62,42 +64,84 @@ TARGET static inline void scatter16(float *column, int64_t token_stride, __mmask
     _mm512_mask_i32scatter_ps(column, valid, rows, x, 4);
 }
 
-TARGET static void int8s_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, float *ok,
-                              float *ov, int64_t token_stride) {
+/* 16 floats rounded to bfloat16, nearest even (finite inputs: dequantized values always are) */
+TARGET static inline __m256i bf16x16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* Where dequantized rows go: float32 rows, or bfloat16 rows (token_stride in elements either way) */
+typedef struct {
+    void *base;
+    int64_t token_stride;
+    int bf16;
+} Rows;
+
+/* 16 floats at (token t, channel d) on */
+TARGET static inline void put16(Rows r, int64_t t, int64_t d, __m512 x) {
+    if (r.bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)r.base + t * r.token_stride + d), bf16x16(x));
+    else
+        _mm512_storeu_ps((float *)r.base + t * r.token_stride + d, x);
+}
+
+/* A page's keys lie channel by channel: 16 tokens of each channel go into a float tile (scatters
+ * within L1), whose rows are then written out token by token */
+enum { TILE_DIM = 256 };
+typedef struct {
+    float v[LANES][TILE_DIM];
+} KeyTile;
+
+TARGET static inline void tile_put(KeyTile *tile, int64_t d, __mmask16 valid, __m512 x) {
+    scatter16(&tile->v[0][d], TILE_DIM, valid, x);
+}
+
+TARGET static inline void tile_out(const KeyTile *tile, Rows r, int64_t t, int64_t n, int64_t dim) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < dim; d += LANES) put16(r, t + i, d, _mm512_loadu_ps(&tile->v[i][d]));
+}
+
+TARGET static void int8s_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, Rows ok,
+                              Rows ov) {
     const int64_t tp = key_tokens(INT8S, tokens), per_token = dim / group;
     const uint8_t *kc = base, *vc = base + tp * dim;
     const uint8_t *ks = vc + tokens * dim, *vs = ks + tp * per_token * 2;
-    for (int64_t d = 0; d < dim; ++d)
-        for (int64_t t = 0; t < tokens; t += LANES) {
-            __m512 x = _mm512_mul_ps(int8s16(kc + d * tp + t), halves16(ks + 2 * ((d / group) * tp + t)));
-            scatter16(ok + t * token_stride + d, token_stride, lanes_below(tokens - t), x);
-        }
+    KeyTile tile;
+    for (int64_t t = 0; t < tokens; t += LANES) {
+        const __mmask16 valid = lanes_below(tokens - t);
+        for (int64_t d = 0; d < dim; ++d)
+            tile_put(&tile, d, valid, _mm512_mul_ps(int8s16(kc + d * tp + t), halves16(ks + 2 * ((d / group) * tp + t))));
+        tile_out(&tile, ok, t, tokens - t < LANES ? tokens - t : LANES, dim);
+    }
     for (int64_t t = 0; t < tokens; ++t)
         for (int64_t d = 0; d < dim; d += LANES) {
             __m512 s = _mm512_set1_ps(half_at(vs, t * per_token + d / group));
-            _mm512_storeu_ps(ov + t * token_stride + d, _mm512_mul_ps(int8s16(vc + t * dim + d), s));
+            put16(ov, t, d, _mm512_mul_ps(int8s16(vc + t * dim + d), s));
         }
 }
 
 TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens, int64_t group, int64_t dim,
-                             float *ok, float *ov, int64_t token_stride) {
+                             Rows ok, Rows ov) {
     const int bits = codec == KIVI4 ? 4 : 2, per_byte = 8 / bits, span = LANES * per_byte;
     const int64_t tp = key_tokens(codec, tokens), row = tp / per_byte, per_token = dim / group;
     const uint8_t *kc = base, *vc = base + dim * row;
     const uint8_t *ks = vc + tokens * dim / per_byte, *kz = ks + 2 * dim;
     const uint8_t *vs = kz + 2 * dim, *vz = vs + tokens * per_token * 2;
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-    for (int64_t d = 0; d < dim; ++d) {
-        const __m512 s = _mm512_set1_ps(half_at(ks, d)), z = _mm512_set1_ps(half_at(kz, d));
-        for (int64_t t = 0; t < tokens; t += span) {
+    KeyTile tile;
+    for (int64_t first = 0; first < tokens; first += LANES) {
+        /* tokens first .. first + 16: bits k * bits of the 16-byte unit of codes holding them */
+        const int64_t t = first / span * span, k = (first - t) / LANES;
+        const __mmask16 valid = lanes_below(tokens - first);
+        for (int64_t d = 0; d < dim; ++d) {
+            const __m512 s = _mm512_set1_ps(half_at(ks, d)), z = _mm512_set1_ps(half_at(kz, d));
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(kc + d * row + t / per_byte)));
-            for (int k = 0; k < per_byte && t + k * LANES < tokens; ++k) {
-                const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(k * bits)), mask);
-                const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z);
-                const int64_t first = t + k * LANES;
-                scatter16(ok + first * token_stride + d, token_stride, lanes_below(tokens - first), x);
-            }
+            const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(k * bits)), mask);
+            tile_put(&tile, d, valid, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z));
         }
+        tile_out(&tile, ok, first, tokens - first < LANES ? tokens - first : LANES, dim);
     }
     for (int64_t t = 0; t < tokens; ++t)
         for (int64_t u = 0; u < dim / span; ++u) {
@@ -109,14 +153,15 @@ TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens,
             for (int k = 0; k < per_byte; ++k) {
                 const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(k * bits)), mask);
                 const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z);
-                _mm512_storeu_ps(ov + t * token_stride + u * span + k * LANES, x);
+                put16(ov, t, u * span + k * LANES, x);
             }
         }
 }
 
 TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_t pages, int64_t layer,
-                              int64_t heads, int64_t dim, float *out_k, float *out_v, int64_t head_stride,
-                              int64_t token_stride) {
+                              int64_t heads, int64_t dim, void *out_k, void *out_v, int64_t head_stride,
+                              int64_t token_stride, int64_t bf16) {
+    const int64_t element = bf16 ? 2 : 4;
     int64_t t0 = 0;
     for (int64_t p = 0; p < pages; ++p) {
         const int64_t codec = table[4 * p], offset = table[4 * p + 1], tokens = table[4 * p + 2],
@@ -124,12 +169,13 @@ TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_
         const int64_t nbytes = kvs_page_nbytes(codec, tokens, group, dim);
         for (int64_t h = 0; h < heads; ++h) {
             const uint8_t *base = arena + offset + (layer * heads + h) * nbytes;
-            float *ok = out_k + h * head_stride + t0 * token_stride;
-            float *ov = out_v + h * head_stride + t0 * token_stride;
+            const int64_t at = (h * head_stride + t0 * token_stride) * element;
+            const Rows ok = {(char *)out_k + at, token_stride, (int)bf16};
+            const Rows ov = {(char *)out_v + at, token_stride, (int)bf16};
             if (codec == INT8S)
-                int8s_page(base, tokens, group, dim, ok, ov, token_stride);
+                int8s_page(base, tokens, group, dim, ok, ov);
             else
-                kivi_page(base, codec, tokens, group, dim, ok, ov, token_stride);
+                kivi_page(base, codec, tokens, group, dim, ok, ov);
         }
         t0 += tokens;
     }

@@ -195,6 +195,10 @@ inline int64_t page_nbytes(int64_t codec, int64_t tokens, int64_t group, int64_t
   return (padded + tokens) * dim / per_byte + 2 * dim * 2 + 2 * tokens * per_token * 2;
 }
 
+inline void prefetch_page(const Page& p, int64_t dim) {
+  prefetch_bytes_l2(reinterpret_cast<const char*>(p.base), page_nbytes(p.codec, p.tokens, p.group, dim));
+}
+
 // One (row, kv head): what it attends to.
 struct Item {
   const void* k;  // exact tokens
@@ -388,8 +392,12 @@ struct Attend {
         store16(qscaled + g * dim + c * kLanes, qv[g][c]);
       }
     int64_t t0 = 0;
+    if (it.num_pages > 0) prefetch_page(it.pages[0], dim);
     for (int64_t i = 0; i < it.num_pages; ++i) {
       const Page& p = it.pages[i];
+      // the next page, keys and values, into L2 while this one is read: an item's pages lie apart
+      // in the arena, each a stream of its own that the hardware prefetchers would start cold
+      if (i + 1 < it.num_pages) prefetch_page(it.pages[i + 1], dim);
       if (p.codec == kInt8s) int8s_scores(qscaled, p, scores + t0, padded);
       else if (p.codec == kKivi4) kivi_scores<4>(qscaled, p, scores + t0, padded);
       else kivi_scores<2>(qscaled, p, scores + t0, padded);

@@ -27,8 +27,8 @@ from kvstrata.integrations.transformers.layer import KVStrataLayer
 
 
 class DenseScratch:
-    """float32 room for one layer's keys and values, ``(heads, tokens, head_dim)`` each, grown as
-    needed and shared by a cache's layers (and by rows: it is filled and read within one layer's
+    """Room for one layer's keys and values, ``(heads, tokens, head_dim)`` each, grown as needed
+    and shared by a cache's layers (and by rows: it is filled and read within one layer's
     attention)."""
 
     def __init__(self) -> None:
@@ -36,7 +36,12 @@ class DenseScratch:
         self.values = torch.empty(0)
 
     def room(
-        self, heads: int, tokens: int, head_dim: int, device: torch.device
+        self,
+        heads: int,
+        tokens: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if (
             self.keys.dim() != 3
@@ -44,10 +49,11 @@ class DenseScratch:
             or self.keys.shape[1] < tokens
             or self.keys.shape[2] != head_dim
             or self.keys.device != device
+            or self.keys.dtype != dtype
         ):
             capacity = max(tokens, 2 * self.keys.shape[1] if self.keys.dim() == 3 else 0)
-            self.keys = torch.empty(heads, capacity, head_dim, device=device)
-            self.values = torch.empty(heads, capacity, head_dim, device=device)
+            self.keys = torch.empty(heads, capacity, head_dim, device=device, dtype=dtype)
+            self.values = torch.empty(heads, capacity, head_dim, device=device, dtype=dtype)
         return self.keys[:, :tokens], self.values[:, :tokens]
 
 
@@ -89,18 +95,18 @@ class PagedLayer(KVStrataLayer):
 
     def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values, ``(1, heads, tokens, head_dim)``: the pages dequantized,
-        then the exact tokens; in ``dtype`` (default: the exact tokens' dtype)."""
+        then the exact tokens; in ``dtype`` (default: the exact tokens' dtype), dequantized into
+        it directly (bfloat16: each float32 product rounded as ``.to()`` rounds it). Views of the
+        cache's scratch, valid until the next layer's ``dense``."""
         assert self.keys is not None and self.values is not None
         exact_k, exact_v = self.keys[0], self.values[0]
         heads, exact, dim = exact_k.shape
         paged = self.pages.tokens
-        keys, values = self.scratch.room(heads, paged + exact, dim, exact_k.device)
+        want = dtype or exact_k.dtype
+        keys, values = self.scratch.room(heads, paged + exact, dim, exact_k.device, want)
         self.pages.dequantize_layer(self.layer_idx, keys, values)
         keys[:, paged:].copy_(exact_k)
         values[:, paged:].copy_(exact_v)
-        want = dtype or exact_k.dtype
-        if want != torch.float32:
-            keys, values = keys.to(want), values.to(want)
         return keys.unsqueeze(0), values.unsqueeze(0)
 
 
