@@ -174,6 +174,26 @@ def test_the_direct_llama_step_gives_the_model_forwards_logits_bit_for_bit(
     torch.testing.assert_close(rows[0][1].block_mass(4), rows[1][1].block_mass(4), atol=0, rtol=0)
 
 
+def test_a_model_converted_after_its_linears_were_fused_is_fused_again() -> None:
+    """The written-out step fuses q/k/v and gate/up once per layer; a model moved to another dtype
+    afterwards (``model.to``, as a benchmark running fp32 then bf16 does) is fused again from its
+    converted weights, by a new batched forward and by the one made before (the stale fp32 fused
+    linears met bf16 rows: a dtype error)."""
+    model = tiny_llama(9, num_layers=2)
+    model.config._attn_implementation = "sdpa"
+    before = BatchedForward(model, "sdpa")
+    before._native_ops = False
+    assert before.forward([Segment(BatchRow.empty(model), ids(36, 5))])[0] is not None
+    model.to(torch.bfloat16)
+    for bf in (before, BatchedForward(model, "sdpa")):
+        bf._native_ops = False
+        got = bf.forward([Segment(BatchRow.empty(model), ids(36, 5))])[0]
+        own = BatchedForward(model, "sdpa", direct_llama=False)
+        want = own.forward([Segment(BatchRow.empty(model), ids(36, 5))])[0]
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_models_other_than_llama_run_through_their_own_forward() -> None:
     from transformers import MistralConfig, MistralForCausalLM
 

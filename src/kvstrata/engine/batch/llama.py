@@ -88,29 +88,45 @@ class FusedLinears:
 
     qkv: torch.nn.Linear
     gate_up: torch.nn.Linear
+    parts: tuple[tuple[int, torch.dtype], ...]
+    """The parts' weights when they were fused (:func:`weights_of`): where they differ now (the
+    model moved to another dtype or device, or loaded other weights), the fused linears are stale."""
 
 
 _FUSED = "_kvstrata_fused_linears"
 
 
-def fuse_linears(layer: torch.nn.Module) -> FusedLinears:
-    """One linear for q/k/v and one for gate/up of a ``LlamaDecoderLayer`` (idempotent). The
-    parts' weights become views into the fused weights, so the plain weights take no more memory;
-    where the parts were packed (:mod:`~kvstrata.integrations.transformers.packed_linear`), the
-    fused linears are packed instead and the parts' packed copies dropped (the model's own forward
-    still runs on the views, unpacked)."""
-    fused: FusedLinears | None = getattr(layer, _FUSED, None)
-    if fused is not None:
-        return fused
+def _parts(layer: torch.nn.Module) -> list[torch.nn.Linear]:
     attention, mlp = layer.self_attn, layer.mlp
-    qkv_parts = [attention.q_proj, attention.k_proj, attention.v_proj]
-    fused = FusedLinears(_fuse(qkv_parts), _fuse([mlp.gate_proj, mlp.up_proj]))
-    if any(packed_linear.is_packed(part) for part in [*qkv_parts, mlp.gate_proj, mlp.up_proj]):
-        for part in [*qkv_parts, mlp.gate_proj, mlp.up_proj]:
+    return [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
+
+
+def weights_of(layer: torch.nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
+    """Where and in what dtype the layer's q/k/v and gate/up weights lie now."""
+    return tuple((part.weight.data_ptr(), part.weight.dtype) for part in _parts(layer))
+
+
+def fuse_linears(layer: torch.nn.Module) -> FusedLinears:
+    """One linear for q/k/v and one for gate/up of a ``LlamaDecoderLayer`` (idempotent while the
+    parts' weights stay where they were; fused again from them where the model was converted,
+    ``model.to(torch.bfloat16)`` for example). The parts' weights become views into the fused
+    weights, so the plain weights take no more memory; where the parts were packed
+    (:mod:`~kvstrata.integrations.transformers.packed_linear`), the fused linears are packed
+    instead and the parts' packed copies dropped (the model's own forward still runs on the
+    views, unpacked)."""
+    fused: FusedLinears | None = getattr(layer, _FUSED, None)
+    if fused is not None and fused.parts == weights_of(layer):
+        return fused
+    was_packed = fused is not None and packed_linear.is_packed(fused.qkv)
+    parts = _parts(layer)
+    qkv, gate_up = _fuse(parts[:3]), _fuse(parts[3:])
+    if was_packed or any(packed_linear.is_packed(part) for part in parts):
+        for part in parts:
             packed_linear.unpack(part)
-        holder = torch.nn.ModuleList([fused.qkv, fused.gate_up])
+        holder = torch.nn.ModuleList([qkv, gate_up])
         packed_linear.pack_linears(holder)
         packed_linear.pad_fp32_linears(holder)
+    fused = FusedLinears(qkv, gate_up, weights_of(layer))
     setattr(layer, _FUSED, fused)
     return fused
 
@@ -147,12 +163,18 @@ class LlamaStep:
         config = model.config
         self.model = model
         self.shape = _Shape(config.num_attention_heads, config.num_key_value_heads, attention.head_dim)
-        self.fused = [fuse_linears(layer) for layer in model.model.layers]
-        inner = model.model
-        norms = [layer.input_layernorm for layer in inner.layers] + [inner.norm]
-        self._norms = [(norm.weight, float(norm.variance_epsilon)) for norm in norms]
+        self.fused: list[FusedLinears] = []
+        self._norms: list[tuple[torch.Tensor, float]] = []
         """Each layer's input norm, then the model's final one: the norm after layer ``i``'s MLP
         is ``i + 1``."""
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The fused linears and the norms' weights, as the model holds them now."""
+        inner = self.model.model
+        self.fused = [fuse_linears(layer) for layer in inner.layers]
+        norms = [layer.input_layernorm for layer in inner.layers] + [inner.norm]
+        self._norms = [(norm.weight, float(norm.variance_epsilon)) for norm in norms]
 
     def __call__(
         self,
@@ -166,6 +188,8 @@ class LlamaStep:
         row's new keys and values to its cache as the model's own forward does. ``ops``: the
         native elementwise operations (:mod:`.decode_kernel`'s module, ``layer_ops.cpp``); None
         runs torch's, as transformers does, bit for bit."""
+        if self.fused[0].parts != weights_of(self.model.model.layers[0]):
+            self._prepare()  # the model was converted since (another dtype or device)
         native = None if ops is None or ops is TorchOps else ops
         ops = ops or TorchOps
         inner = self.model.model
