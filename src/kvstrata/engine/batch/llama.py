@@ -257,7 +257,7 @@ class TorchOps:
     def silu_mul(x: torch.Tensor) -> torch.Tensor:
         """``LlamaMLP``'s ``act_fn(gate_proj(x)) * up_proj(x)`` on the fused gate/up output."""
         gate, up = x.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return torch.nn.functional.silu(gate).mul_(up)  # the product into SiLU's own output
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
