@@ -95,16 +95,15 @@ constexpr int64_t kAhead = 16;  // tokens of exact keys or values read ahead of 
 // decode step of 8 rows of 500 tokens in process (one process each, this project's Intel VM): bf16
 // 60.1 -> 56.6-57.0 ms, fp32 98.3 -> 95.3 ms; 8 or 32 tokens ahead gave less than 16. Past a
 // row's end this asks for lines never loaded: harmless.
-inline void prefetch_bytes(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-// The same into L2, for the values of the tokens whose keys are being read: an item's values
+// Into L2 (kL2), for the values of the tokens whose keys are being read: an item's values
 // (64 KiB for 500 bf16 tokens of a 64-wide head) then wait in L2 for the pass over them, the two
 // streams read from memory at once (SmolLM2, 8 rows of 500 tokens, a step's kernel calls, one
 // process each, alternated, this project's Intel VM: bf16 12.5 / 12.8 -> 10.9 / 11.6 ms, fp32
 // 19.1 / 19.0 -> 17.5 / 17.9 ms).
-inline void prefetch_bytes_l2(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+constexpr int kL1 = _MM_HINT_T0, kL2 = _MM_HINT_T1;
+template <int Hint = kL1>
+inline void prefetch_bytes(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
 }
 
 // the first n (>= 1) of 16 lanes
@@ -196,7 +195,7 @@ inline int64_t page_nbytes(int64_t codec, int64_t tokens, int64_t group, int64_t
 }
 
 inline void prefetch_page(const Page& p, int64_t dim) {
-  prefetch_bytes_l2(reinterpret_cast<const char*>(p.base), page_nbytes(p.codec, p.tokens, p.group, dim));
+  prefetch_bytes<kL2>(reinterpret_cast<const char*>(p.base), page_nbytes(p.codec, p.tokens, p.group, dim));
 }
 
 // One (row, kv head): what it attends to.
@@ -413,7 +412,7 @@ struct Attend {
     for (; t + kLanes <= it.exact; t += kLanes) {
       for (int j = 0; j < kLanes; ++j) {
         prefetch_bytes(static_cast<const char*>(it.k) + (t + j + kAhead) * it.kstride * element, dim * element);
-        prefetch_bytes_l2(static_cast<const char*>(it.v) + (t + j + kAhead) * it.vstride * element, dim * element);
+        prefetch_bytes<kL2>(static_cast<const char*>(it.v) + (t + j + kAhead) * it.vstride * element, dim * element);
         v16 acc[kMaxGroup];
         for (int g = 0; g < groups; ++g) acc[g] = v16{};
         for (int c = 0; c < chunks; ++c) {
