@@ -142,6 +142,7 @@ def open_parts(
         stats=stats,
         counters=counters,
         age_out=tiered.reencoder.age_out,
+        supersede=tiered.memory.supersede,
         forget=disk.cache.forget,
         root_key=keys_from,
         remote=tiered.remote,

@@ -68,11 +68,13 @@ class SessionIO:
         stats: BlockStatsTable,
         counters: StoreCounters,
         age_out: Callable[[Iterable[BlockKey]], None],
+        supersede: Callable[[BlockKey], object],
         forget: Callable[[BlockKey], None],
         root_key: Callable[[str], BlockKey],
         remote: RemoteMirror | None,
     ) -> None:
-        """``age_out``: the re-encoder's (blocks that left a recent window); ``forget``: the disk
+        """``age_out``: the re-encoder's (blocks that left a recent window); ``supersede``: the
+        memory tiers' (a tail an append or a truncation replaced); ``forget``: the disk
         tier's placement cache's (a block another process removed); ``root_key``: a namespace's
         first parent key; ``remote``: where checkpoints are published (None: nowhere)."""
         self.layout = layout
@@ -86,6 +88,7 @@ class SessionIO:
         self._stats = stats
         self._counters = counters
         self._age_out = age_out
+        self._supersede = supersede
         self._forget = forget
         self._root_key = root_key
         self._remote = remote
@@ -148,10 +151,12 @@ class SessionIO:
                 recent = len(session.block_keys) >= window_start
                 self._put_block(key, start_pos + i * bt, tensor, session, recent, key in absent)
                 session.block_keys.append(key)
-        session.tail_key = tail
+        replaced, session.tail_key = session.tail_key, tail
         if tail is not None:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
+        if replaced is not None and replaced != tail:
+            self._supersede(replaced)
         if graded:  # grades first: what the blocks leaving the window become; kept in the session's row
             self._pool.regrade(session.block_keys, window_start)
         session.grades = self._pool.grades(session.block_keys) if graded else None
@@ -227,6 +232,8 @@ class SessionIO:
             partial_kv = loaded.kv[:, :, :, full * bt : num_tokens].clone()
         session.block_keys = session.block_keys[:full]
         session.token_ids = keep_tokens[: full * bt]
+        if session.tail_key is not None:
+            self._supersede(session.tail_key)
         session.tail_key = None
         session.grades = self._pool.grades(session.block_keys) if graded else None
         if session.lineage_from is not None and session.lineage_from >= num_tokens:
