@@ -100,12 +100,13 @@ def test_one_budget_keeps_more_blocks_of_a_lossy_class_resident(
     assert counts["pool"] >= least * counts["exact"]
 
 
-
 def test_turns_leave_no_replaced_tails_in_device_memory(open_store: Factory) -> None:
     """Each turn of an agent writes a new tail; the one it replaces leaves memory once L3 holds
     it (it was kept exact and protected like the recent window: 44 of 57 blocks after these 12
     turns of 4 agents). A fork that shares a replaced tail still reads it, from L3."""
-    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=200 * FP32.bytes_per_block, l2_budget_bytes=0)
+    store = open_store(
+        layout=FP32, ladder=POOL, l1_budget_bytes=200 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
     agents = [store.create_session(f"a{i}", priority="interactive") for i in range(4)]
     fork = None
     for turn in range(12):
@@ -126,6 +127,7 @@ def test_turns_leave_no_replaced_tails_in_device_memory(open_store: Factory) -> 
     assert loaded.num_tokens == len(forked_tokens)  # every block found, the replaced tail from L3
     # the interactive class holds int8 below device memory and int8s in it: close, not equal
     assert torch.allclose(loaded.kv, token_kv(FP32, forked_tokens), atol=0.05)  # type: ignore[arg-type]
+
 
 def test_a_restore_copies_pages_as_they_are_and_the_cache_attends_to_them_in_place(
     open_store: Factory,
