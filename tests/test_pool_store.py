@@ -127,6 +127,10 @@ def test_turns_leave_no_replaced_tails_in_device_memory(open_store: Factory) -> 
     assert loaded.num_tokens == len(forked_tokens)  # every block found, the replaced tail from L3
     # the interactive class holds int8 below device memory and int8s in it: close, not equal
     assert torch.allclose(loaded.kv, token_kv(FP32, forked_tokens), atol=0.05)  # type: ignore[arg-type]
+    tail = agents[1].tail_key
+    assert tail is not None and store.tiered.tier(TierLevel.L1).contains(tail)
+    store.delete_session("a1")  # a deleted session's tail goes too (it never appends again)
+    assert not store.tiered.tier(TierLevel.L1).contains(tail)
 
 
 def test_a_restore_copies_pages_as_they_are_and_the_cache_attends_to_them_in_place(

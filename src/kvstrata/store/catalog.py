@@ -53,14 +53,15 @@ class SessionCatalog:
         remote: RemoteMirror | None,
         counters: StoreCounters,
         age_out: Callable[[Iterable[BlockKey]], None],
+        supersede: Callable[[BlockKey], object],
         recent_blocks: int,
         location: str = "",
     ) -> None:
         """``table``: the index's session rows; ``leases``: this process's (None: a read-only
         store, which changes nothing); ``journal``: where each commit and deletion is also written
         (what a rebuild of the index reads); ``age_out``: the re-encoder's, told of the recent blocks
-        of a deleted session (``recent_blocks`` of them); ``location``: the store's root, for
-        messages."""
+        of a deleted session (``recent_blocks`` of them); ``supersede``: the memory tiers', told of
+        its tail; ``location``: the store's root, for messages."""
         self._table = table
         self._leases = leases
         self._journal = journal
@@ -68,6 +69,7 @@ class SessionCatalog:
         self._remote = remote
         self._counters = counters
         self._age_out = age_out
+        self._supersede = supersede
         self._recent_blocks = recent_blocks
         self._location = location
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
@@ -268,6 +270,9 @@ class SessionCatalog:
                 # deleted session never appends again to push them out of its window
                 live = {k for s in self._sessions.values() for k in s.block_keys[-window:]}
                 self._age_out(k for k in session.block_keys[-window:] if k not in live)
+            tail = session.tail_key if session is not None else None
+            if tail is not None and all(s.tail_key != tail for s in self._sessions.values()):
+                self._supersede(tail)  # else exact and protected like the window for good
             if self._remote is not None:
                 self._remote.delete_manifest(namespace, session_id)
             return self._table.delete(namespace, session_id, journal=self._journal.record_deletion)

@@ -121,6 +121,7 @@ def open_parts(
         remote=tiered.remote,
         counters=counters,
         age_out=tiered.reencoder.age_out,
+        supersede=tiered.memory.supersede,
         recent_blocks=config.ladder.recent_blocks,
         location=str(root),
     )
