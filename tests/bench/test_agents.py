@@ -145,4 +145,5 @@ def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_pat
     assert all(run["resident_samples"] > 0 for run in (encoded, exact, alone))
     (verdict,) = data["verdicts"]
     assert verdict["agents"] == 2 and verdict["hot_p99_vs_alone"] > 0
+    assert verdict["budget_binds"] == (exact["resident_mean"] < 2)  # no 2x to show when all fit exact
     assert isinstance(verdict["met"], bool)

