@@ -53,14 +53,14 @@ class SessionCatalog:
         remote: RemoteMirror | None,
         counters: StoreCounters,
         age_out: Callable[[Iterable[BlockKey]], None],
-        supersede: Callable[[BlockKey], object],
+        supersede: Callable[[BlockKey], None],
         recent_blocks: int,
         location: str = "",
     ) -> None:
         """``table``: the index's session rows; ``leases``: this process's (None: a read-only
         store, which changes nothing); ``journal``: where each commit and deletion is also written
         (what a rebuild of the index reads); ``age_out``: the re-encoder's, told of the recent blocks
-        of a deleted session (``recent_blocks`` of them); ``supersede``: the memory tiers', told of
+        of a deleted session (``recent_blocks`` of them); ``supersede``: the re-encoder's, told of
         its tail; ``location``: the store's root, for messages."""
         self._table = table
         self._leases = leases

@@ -121,7 +121,7 @@ def open_parts(
         remote=tiered.remote,
         counters=counters,
         age_out=tiered.reencoder.age_out,
-        supersede=tiered.memory.supersede,
+        supersede=tiered.reencoder.supersede,
         recent_blocks=config.ladder.recent_blocks,
         location=str(root),
     )
@@ -142,8 +142,7 @@ def open_parts(
         tiered.pool,
         stats=stats,
         counters=counters,
-        age_out=tiered.reencoder.age_out,
-        supersede=tiered.memory.supersede,
+        reencoder=tiered.reencoder,
         forget=disk.cache.forget,
         root_key=keys_from,
         remote=tiered.remote,

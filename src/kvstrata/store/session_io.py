@@ -8,7 +8,7 @@ its ``Writes``, and commits sessions through the catalogue.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from kvstrata.store.catalog import SessionCatalog
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.placement.pool import DevicePool
 from kvstrata.store.placement.reads import Reads
+from kvstrata.store.placement.reencoder import ReEncoder
 from kvstrata.store.placement.writes import Writes
 from kvstrata.store.remote_mirror import RemoteMirror
 from kvstrata.store.sessions import Session
@@ -49,10 +50,6 @@ class LoadedKV:
 
 
 _CHECKPOINT_ATTEMPTS = 3
-STAGE_GROUP_BYTES = 4 << 20
-"""``append`` copies blocks out of the caller's KV in groups of about this many bytes (at least one
-block), each group in one go, and hands a group's blocks to the tiers before copying the next: the
-writer starts on the first blocks while the later ones are copied."""
 
 
 class SessionIO:
@@ -67,16 +64,14 @@ class SessionIO:
         *,
         stats: BlockStatsTable,
         counters: StoreCounters,
-        age_out: Callable[[Iterable[BlockKey]], None],
-        supersede: Callable[[BlockKey], object],
+        reencoder: ReEncoder,
         forget: Callable[[BlockKey], None],
         root_key: Callable[[str], BlockKey],
         remote: RemoteMirror | None,
     ) -> None:
-        """``age_out``: the re-encoder's (blocks that left a recent window); ``supersede``: the
-        memory tiers' (a tail an append or a truncation replaced); ``forget``: the disk
-        tier's placement cache's (a block another process removed); ``root_key``: a namespace's
-        first parent key; ``remote``: where checkpoints are published (None: nowhere)."""
+        """``reencoder``: told of the blocks that leave a recent window and of replaced tails;
+        ``forget``: the disk tier's placement cache's (a block another process removed);
+        ``root_key``: a namespace's first parent key; ``remote``: where checkpoints are published."""
         self.layout = layout
         self._config = config
         self._ladder = config.ladder
@@ -87,8 +82,7 @@ class SessionIO:
         self._pool = pool
         self._stats = stats
         self._counters = counters
-        self._age_out = age_out
-        self._supersede = supersede
+        self._reencoder = reencoder
         self._forget = forget
         self._root_key = root_key
         self._remote = remote
@@ -140,7 +134,7 @@ class SessionIO:
             candidates, lambda found: self._catalog.pin(session, found), self._forget
         )
         kv = self._block_kv(kv)
-        group = max(1, STAGE_GROUP_BYTES // self.layout.bytes_per_block)
+        group = max(1, staging.GROUP_BYTES // self.layout.bytes_per_block)
         for first in range(0, len(full_keys), group):
             keys = full_keys[first : first + group]
             # the group's copies in one go (staging.StagingBuffers.copy_many), then its blocks
@@ -156,12 +150,12 @@ class SessionIO:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
         if replaced is not None and replaced != tail:
-            self._supersede(replaced)
+            self._reencoder.supersede(replaced)
         if graded:  # grades first: what the blocks leaving the window become; kept in the session's row
             self._pool.regrade(session.block_keys, window_start)
         session.grades = self._pool.grades(session.block_keys) if graded else None
         # blocks this append pushed out of the recent window go down the ladder, in the background
-        self._age_out(
+        self._reencoder.age_out(
             session.block_keys[max(0, old_full - self._recent_blocks) : min(old_full, window_start)]
         )
         session.token_ids.extend(new_tokens)
@@ -232,8 +226,7 @@ class SessionIO:
             partial_kv = loaded.kv[:, :, :, full * bt : num_tokens].clone()
         session.block_keys = session.block_keys[:full]
         session.token_ids = keep_tokens[: full * bt]
-        if session.tail_key is not None:
-            self._supersede(session.tail_key)
+        self._reencoder.supersede(session.tail_key)
         session.tail_key = None
         session.grades = self._pool.grades(session.block_keys) if graded else None
         if session.lineage_from is not None and session.lineage_from >= num_tokens:

@@ -32,6 +32,10 @@ from kvstrata.transfer import copy_tensor
 DEFAULT_MAX_BYTES = 128 << 20
 """Buffers the process keeps for block copies: a 2,048-token SmolLM2 checkpoint in flight (32
 blocks of 2.9 MB), about half the writer's default queue."""
+GROUP_BYTES = 4 << 20
+"""A session's append copies blocks out of the caller's KV in groups of about this many bytes (at
+least one block), each group in one go, and hands a group's blocks to the tiers before copying the
+next: the writer starts on the first blocks while the later ones are copied."""
 
 
 def _storage_use_count() -> Callable[[Any], int] | None:

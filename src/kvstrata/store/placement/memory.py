@@ -124,9 +124,7 @@ class MemoryTiers:
         """A copy of ``key`` of its own (an L1 view cloned) from the highest memory tier holding
         it (``top_only``: only from device memory); None when none does."""
         with self._lock:
-            for tier in self.tiers[:1] if top_only else self.tiers:
-                if top_only and tier.level is not TierLevel.L1:
-                    return None
+            for tier in [t for t in self.tiers[:1] if t.level is TierLevel.L1] if top_only else self.tiers:
                 block = tier.get(key)
                 if block is not None:
                     return own(block)
@@ -314,11 +312,9 @@ class MemoryTiers:
     def _candidates(self, index: int) -> list[BlockKey]:
         """Keys of tier ``index`` that may be demoted, in demotion order (the lock held). During
         a disk outage a block only memory holds stays in the lowest tier (it would be lost)."""
-        writer = self._writer
+        writer, tier = self._writer, self.tiers[index]
         keep = writer.outage is not None and index == len(self.tiers) - 1
-        return demotion_order(
-            self.tiers[index], self.stats, self.scorer, lambda key: keep and not writer.durable(key)
-        )
+        return demotion_order(tier, self.stats, self.scorer, lambda key: keep and not writer.durable(key))
 
     def _make_room(self, index: int) -> bool:
         """Demote from tier ``index`` down to its low watermark (at least one block), inline (the
@@ -384,30 +380,13 @@ class MemoryTiers:
         # write-back (or a write that failed): L3 becomes its only home
         writer.submit(self._encodings.for_disk(block))
 
-    def supersede(self, key: BlockKey) -> bool:
-        """``key`` was a session's tail, and an append (or a truncation) replaced it: out of its
-        recent window, and out of memory where L3 holds it or its write is queued (nothing is
-        lost: the last checkpoint that names it, or a fork that shares it, reads it there). Left
-        to the demoter where memory is its only copy, and where a reader holds it. Whether it
-        left memory.
-
-        Every turn of an agent writes a new tail, and each old one stayed in device memory as
-        exact and protected as the recent window (demoted last): 44 of the 57 blocks device
-        memory held after 12 turns of 4 agents were such tails."""
-        writer = self._writer
-        on_disk = writer.is_pending(key) or writer.durable(key)  # outside the lock: may ask the index
-        with self._lock:
-            stats = self.stats.get(key)
-            if stats is not None:
-                stats.recent = False
-            if not on_disk or self.stats.in_use(key):
-                return False
-            return any([tier.remove(key) for tier in self.tiers])
-
     # -- what the store reports ------------------------------------------------------------------
-    def leave_window(self, key: BlockKey) -> bool:
-        """``key`` left its session's recent window: whether it was in one (then no longer)."""
+    def leave_window(self, key: BlockKey, *, drop: bool = False) -> bool:
+        """``key`` left its session's recent window: whether it was in one (then no longer).
+        ``drop``: it leaves memory too, unless a reader holds it (a replaced tail L3 holds)."""
         with self._lock:
+            if drop and not self.stats.in_use(key):
+                any([tier.remove(key) for tier in self.tiers])
             stats = self.stats.get(key)
             if stats is None or not stats.recent:
                 return False

