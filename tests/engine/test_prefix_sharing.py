@@ -333,3 +333,29 @@ def test_a_running_row_is_never_lent_to_another_namespace(tiny: LoadedModel, tmp
         run.close()
     assert same.cached_tokens == 5  # taken from agent 0's row, in its namespace
     assert other.cached_tokens == 0
+
+
+def test_an_awaited_row_whose_prefix_ends_inside_a_block_publishes_without_taking_ids_off() -> None:
+    """A row another request waits for is due for a save as soon as it computed tokens, so that
+    it publishes them. Its prefix ending inside a block (a session's own tokens: 100 here, blocks
+    of 16) put the last block boundary it computed before the prefix's end: ``upto`` -4, and
+    ``computed_ids(0, -4)`` sliced the prompt from its end, which failed the request at its commit
+    (``assert len(ids) == upto - begin``: once in 27,617 requests of a 2-hour soak)."""
+    from types import SimpleNamespace
+
+    from kvstrata.engine.session_jobs import SessionJobs
+
+    store = SimpleNamespace(
+        layout=SimpleNamespace(block_tokens=16), config=SimpleNamespace(checkpoint_every_tokens=256)
+    )
+    jobs = SimpleNamespace(store=store)
+    prefix = SimpleNamespace(num_tokens=100, slots=100)
+    for computed, saved, want in ((3, 0, 0), (3, 12, 12), (20, 12, 12), (30, 12, 28)):
+        row = SimpleNamespace(length=100 + computed)
+        inflight = SimpleNamespace(
+            saving=False, save_error=None, session=object(), prefix=prefix, row=row,
+            saved=saved, awaited=True, published=0,
+        )  # fmt: skip
+        upto = SessionJobs.due(jobs, inflight)  # type: ignore[arg-type]
+        assert upto == want, (computed, saved, upto)
+        assert upto >= inflight.saved  # the ids taken for it: upto - saved of them, never fewer
