@@ -142,9 +142,14 @@ def test_a_client_leaving_mid_stream_leaves_its_session_committed_up_to_what_was
         assert prompt_tokens + 9 <= left.num_tokens < whole.num_tokens  # what was generated, not all
         assert left.token_ids == whole.token_ids[: left.num_tokens]  # the tokens generated so far
         assert left.checkpointed_tokens == left.num_tokens
-        # never half-written: every stored token's KV is the KV of those tokens
+        # never half-written: every stored token's KV is the KV of those tokens. Not bit for bit:
+        # where the native module is built for the first time (a clean machine, or its source
+        # changed), the server's first requests run with torch's operators while it builds, later
+        # ones with the native kernels; and a step that batched the leaving request with the next
+        # one computed through other matrix shapes. Float32 rounding either way, 7e-5 seen in CI
+        # on the tiny model; a half-written or foreign block differs by the size of the values
         torch.testing.assert_close(
-            store.load(left).kv, store.load(whole, left.num_tokens).kv, atol=1e-5, rtol=0
+            store.load(left).kv, store.load(whole, left.num_tokens).kv, atol=1e-3, rtol=0
         )
 
 
