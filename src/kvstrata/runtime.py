@@ -128,7 +128,7 @@ def background_thread() -> bool:
 # Measured with ``kvstrata bench soak --memwatch`` (tiny model, 12 agents, 2026-12-03): Python's
 # allocations (tracemalloc) 3-6 MB, glibc's free bytes inside its arenas 30 -> 146 MB in 8 minutes,
 # RSS +800 MB/h; ``malloc_trim`` every 30 s did not change the slope (the free memory lay in pages
-# still partly used). :func:`tune_heap` fixes the threshold and caps the arenas at two, as
+# still partly used). :func:`tune_heap` then fixed the threshold and capped the arenas at two, as
 # ``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_ARENA_MAX=2`` would: the same 8-minute soak, ~4,000
 # requests each, grew 580 MB/h outside L1 and L2 against 915 before (19 against 31 MB per 1,000
 # requests): less, not flat; the rest is not explained yet (docs/benchmarks/soak.md).
@@ -143,14 +143,25 @@ def background_thread() -> bool:
 # at the default step budget (512 tokens) come from the heap, large KV buffers still get mappings
 # of their own. (That 128 KiB had cost kvstrata serve half its prefill speed: its 8-session TTFT
 # was 761 ms against 330-460 in process.)
+#
+# One arena, not two. The main heap is where the model, torch and transformers were loaded; it
+# keeps about 90 MB free once start-up is over (245 MiB resident for the tiny model, flat for
+# hours). With two arenas, the request threads (engine step, store workers) allocated from a second
+# arena beside it, which grew with their chunks still in use at its top while the main heap's free
+# memory went unused: ``/proc/PID/smaps`` of the 2-hour soak of 2026-12-06 (tiny model, 12 agents):
+# the second arena 18 -> 34 MiB resident in 48 minutes, the main heap flat, everything else flat but
+# Python's arenas (+0 after 14 minutes), the whole RSS 593 -> 610 MiB. The same soak with one arena
+# (``MALLOC_ARENA_MAX=1``, 40 minutes beside it, niced): RSS 569 -> 568 MiB from 4 to 20 minutes,
+# the main heap flat at 245 MiB, no second arena. The arena's lock is rarely contended: small
+# chunks come from each thread's tcache without it, and the GIL serialises the Python threads.
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD = 4 << 20
-ARENA_MAX = 2
+ARENA_MAX = 1
 
 
 def tune_heap() -> bool:
-    """Fix glibc's mmap threshold at 4 MiB and cap its arenas at 2, each unless the environment
+    """Fix glibc's mmap threshold at 4 MiB and use one arena, each unless the environment
     sets it (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``: glibc's own reading of it stands).
     Call at the start of a long-running process, before its threads. False where not glibc."""
     import os
