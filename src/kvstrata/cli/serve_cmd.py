@@ -24,6 +24,10 @@ from kvstrata.cli.stores import check_writable_root, store_for_layout, store_roo
 from kvstrata.config import StoreConfig, encryption_key_from_env, parse_size
 from kvstrata.errors import ConfigError, KVStrataError
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle connection stays open (uvicorn's default is 5, as long as httpx keeps one:
+the soak of 2026-12-06 lost a streamed request to a ReadError when both ends timed out together)."""
+
 
 def serve(
     model: ModelOption = None,
@@ -113,6 +117,16 @@ def serve(
             "(kvstrata gc deletes it once idle that long; a session gc expired is made again with it).",
         ),
     ] = None,
+    keep_alive: Annotated[
+        int,
+        typer.Option(
+            "--keep-alive",
+            min=1,
+            help="Seconds an idle client connection stays open. Longer than clients keep theirs "
+            "(httpx and the openai client 5, aiohttp 15), so the server never closes one the "
+            "client is sending on: a request lost on such a race is an error the client sees.",
+        ),
+    ] = KEEP_ALIVE_S,
     background_memory: Annotated[
         str | None,
         typer.Option(
@@ -207,6 +221,7 @@ def serve(
                 host=host,
                 port=port,
                 log_level="info",
+                timeout_keep_alive=keep_alive,
                 ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
                 ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
             )
