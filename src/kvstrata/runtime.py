@@ -150,10 +150,12 @@ def background_thread() -> bool:
 # arena beside it, which grew with their chunks still in use at its top while the main heap's free
 # memory went unused: ``/proc/PID/smaps`` of the 2-hour soak of 2026-12-06 (tiny model, 12 agents):
 # the second arena 18 -> 34 MiB resident in 48 minutes, the main heap flat, everything else flat but
-# Python's arenas (+0 after 14 minutes), the whole RSS 593 -> 610 MiB. The same soak with one arena
-# (``MALLOC_ARENA_MAX=1``, 40 minutes beside it, niced): RSS 569 -> 568 MiB from 4 to 20 minutes,
-# the main heap flat at 245 MiB, no second arena. The arena's lock is rarely contended: small
-# chunks come from each thread's tcache without it, and the GIL serialises the Python threads.
+# Python's arenas (+0 after 14 minutes), the whole RSS 593 -> 610 MiB (+7.8 MB/h over 15-60 min).
+# Its second hour, after a restart with one arena: RSS 569.2 -> 569.4 MiB over 76-120 minutes
+# (+0.09 MB/h), the main heap still 245.7 MiB, no second arena. Not slower there: TTFT p50 21 ms
+# in its quiet last 40 minutes against 31 in its first 30 (two arenas, light work beside it); the
+# arena's lock is rarely contended (small chunks come from each thread's tcache without it, and
+# the GIL serialises the Python threads). The serve benchmark has not been re-run since.
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD = 4 << 20
