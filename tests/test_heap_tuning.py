@@ -15,9 +15,9 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
 
-CHILD = textwrap.dedent(
+PREAMBLE = textwrap.dedent(
     """
-    import ctypes, json, sys
+    import ctypes, json, sys, threading
     from pathlib import Path
     from kvstrata.runtime import MMAP_THRESHOLD, tune_heap
 
@@ -30,6 +30,12 @@ CHILD = textwrap.dedent(
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
+    """
+)
+"""The child's start: RSS, glibc's allocator tuned (``tuned``) or not (``default``)."""
+
+CHILD = PREAMBLE + textwrap.dedent(
+    """
     size = 2 * MMAP_THRESHOLD  # a tensor above the tuned threshold (a large KV buffer)
     libc.free(libc.malloc(2 * size))  # one freed: glibc's default raises its mmap threshold past it
     large, small = [], []
@@ -46,10 +52,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def _run(mode: str) -> dict[str, int]:
+def _run(mode: str, child: str = CHILD) -> dict[str, int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", child, mode], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -73,21 +79,8 @@ def test_the_environment_has_the_last_word() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
 
 
-THREAD_CHILD = textwrap.dedent(
+THREAD_CHILD = PREAMBLE + textwrap.dedent(
     """
-    import ctypes, json, sys, threading
-    from pathlib import Path
-    from kvstrata.runtime import tune_heap
-
-    def rss():
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-
-    tuned = tune_heap() if sys.argv[1] == "tuned" else None
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
     size, count = 64 << 10, (32 << 20) // (64 << 10)  # 32 MiB in chunks under either threshold
 
     def fill():
@@ -118,14 +111,7 @@ def test_a_thread_reuses_what_the_main_thread_freed() -> None:
     """One arena: the free memory of the heap the model was loaded in (kvstrata serve's main heap
     kept ~90 MB free after start-up) serves the request threads too; a second arena grew beside it
     in the 2-hour soak (18 -> 31 MiB in 36 minutes) while the main heap stayed at 245 MiB."""
-    results = {}
-    for mode in ("tuned", "default"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-        done = subprocess.run(
-            [sys.executable, "-c", THREAD_CHILD, mode], capture_output=True, text=True, timeout=120, env=env
-        )
-        assert done.returncode == 0, done.stderr
-        results[mode] = json.loads(done.stdout)
+    results = {mode: _run(mode, THREAD_CHILD) for mode in ("tuned", "default")}
     if not results["tuned"]["tuned"]:
         pytest.skip("not glibc")
     filled = 32 << 20
