@@ -36,12 +36,7 @@ def rows(plan: StepPlan) -> list[tuple[str, str, int]]:
 
 def test_classes_fill_a_step_in_order_and_decodes_go_before_prefills() -> None:
     budget = StepBudget(
-        max_sequences=3,
-        max_tokens=100,
-        prefill_chunk=10,
-        starvation_steps=50,
-        realtime_prefill_alone=False,
-        interactive_prefill_ahead=False,
+        max_sequences=3, max_tokens=100, prefill_chunk=10, starvation_steps=50, realtime_prefill_alone=False
     )
     s = Sim(budget)
     s.add("bg", "background", 1)
@@ -65,10 +60,7 @@ def test_classes_fill_a_step_in_order_and_decodes_go_before_prefills() -> None:
 
 
 def test_token_budget_cuts_prefill_chunks_and_skips_what_does_not_fit() -> None:
-    budget = StepBudget(
-        max_sequences=8, max_tokens=12, prefill_chunk=8, starvation_steps=50, interactive_prefill_ahead=False
-    )
-    s = Sim(budget)
+    s = Sim(StepBudget(max_sequences=8, max_tokens=12, prefill_chunk=8, starvation_steps=50))
     for i in range(3):
         s.add(f"d{i}", "interactive", 1)
     s.run_step()  # three one-token prompts
@@ -114,29 +106,6 @@ def test_a_realtime_arrival_prefills_at_the_next_step_and_background_is_paused_t
     assert rows(plan) == [(f"bg{i}", "decode", 1) for i in range(4)]  # resumed, KV kept
     assert plan.paused == ()
     assert s.counts().preemptions == {Priority.REALTIME: 0, Priority.INTERACTIVE: 0, Priority.BACKGROUND: 4}
-
-
-def test_background_rows_wait_while_an_interactive_request_prefills_but_the_starving_one_runs() -> None:
-    s = Sim(StepBudget(max_sequences=8, prefill_chunk=8, starvation_steps=3, starvation_slots=1))
-    s.add("bg0", "background", 1)
-    s.add("bg1", "background", 1)
-    assert rows(s.run_step()) == [("bg0", "prefill", 1), ("bg1", "prefill", 1)]
-    s.add("int", "interactive", 20)
-    # the interactive prompt's chunks run without the background decodes ...
-    plan = s.run_step()
-    assert rows(plan) == [("int", "prefill", 8)]
-    assert plan.paused == ("bg0", "bg1")
-    assert rows(s.run_step()) == [("int", "prefill", 8)]
-    # ... but for the one reserved row of a starving request (bg0 has waited 3 steps)
-    s.add("int2", "interactive", 30)
-    assert rows(s.run_step()) == [("bg0", "decode", 1), ("int", "prefill", 4), ("int2", "prefill", 8)]
-    # once no interactive request prefills, background rows join the interactive decodes again
-    for _ in range(3):
-        s.run_step()
-    assert s.phase("int2") is Phase.DECODE
-    plan = s.run_step()
-    assert sorted(plan.request_ids) == ["bg0", "bg1", "int", "int2"]
-    assert {slot.phase for slot in plan.slots} == {Phase.DECODE}
 
 
 def test_a_background_request_runs_at_least_once_every_n_steps_under_saturation() -> None:

@@ -14,7 +14,8 @@ A request goes through these steps (continuous batching; see :mod:`kvstrata.engi
    tokens while it runs, and at its end (finished or cancelled) the commit of the rest, so the
    session's tokens are exactly the tokens whose KV is stored; then the future resolves.
 
-A single request is the batch of one. :meth:`Engine.drain` bounds a stop (:mod:`.drain`).
+A single request is the batch of one: there is one decoding path. :meth:`Engine.drain` bounds a
+stop (:mod:`kvstrata.engine.drain`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ StreamCallback = Callable[[str], None]
 
 # the store worker's order: a realtime request's restore first (its time to first token), then
 # commits (they resolve requests and free their sessions) and interactive restores in arrival
-# order (neither waits behind a stream of the other), then background restores and commits (an
-# interactive restore does not wait behind a background commit encoding its blocks)
+# order (neither waits behind a stream of the other), then background restores: a restore goes at
+# its class's rank (Priority.rank), a commit at the interactive one
 _COMMIT_RANK = Priority.INTERACTIVE.rank
 
 
@@ -288,12 +289,11 @@ class Engine:
             self._prefetcher.realtime_started()  # background loading pauses meanwhile
             inflight.realtime_paused_prefetch = True
         inflight.state = RowState.READY
-        self._stepper.wake(Priority(inflight.request.priority))
+        self._stepper.wake(urgent=realtime)
 
     def _left_batch(self, inflight: InFlight, reason: str) -> None:
         """Step thread: the request left the batch; its commit goes to the store worker."""
-        rank = max(_COMMIT_RANK, Priority(inflight.request.priority).rank)
-        self._worker.submit(rank, lambda: self._commit(inflight, reason))
+        self._worker.submit(_COMMIT_RANK, lambda: self._commit(inflight, reason))
 
     def _progress(self, running: list[InFlight]) -> None:
         """Step thread: post the incremental checkpoints that are due (session_jobs.py)."""

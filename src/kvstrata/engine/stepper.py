@@ -12,8 +12,7 @@ checkpoints: it only posts them to its store worker).
 
 While a step of lower-class rows runs, a realtime request whose row became ready gives that
 step up (:class:`StepInterrupted`, at the next layer), so its prefill runs at once instead of
-after a whole step of other sessions; the rows lose nothing but that step's time. An interactive
-request gives up a step of background rows alone the same way.
+after a whole step of other sessions; the rows lose nothing but that step's time.
 
 The thread starts with the first request and ends when the batch is empty.
 """
@@ -103,9 +102,7 @@ class Stepper:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, InFlight, str]] = []
         self._woken = False
-        self._urgent: int | None = None
-        """The most urgent class rank (realtime, interactive) whose row became ready since the last
-        step: a running step without a row of that class or above is given up for it."""
+        self._urgent = False
         self._live: dict[str, InFlight] = {}
         self._thread: threading.Thread | None = None
         self.gather_s = GATHER_S
@@ -122,14 +119,11 @@ class Stepper:
         with self._cond:
             self._post("finish", inflight, reason)
 
-    def wake(self, priority: Priority = Priority.BACKGROUND) -> None:
-        """A row of ``priority`` became ready; a realtime or interactive one is worth giving up a
-        running step of lower classes for."""
+    def wake(self, *, urgent: bool = False) -> None:
+        """A row became ready; ``urgent``: a realtime one, worth giving a running step up for."""
         with self._cond:
             self._woken = True
-            if priority is not Priority.BACKGROUND:
-                rank = priority.rank if self._urgent is None else min(self._urgent, priority.rank)
-                self._urgent = rank
+            self._urgent = self._urgent or urgent
             self._cond.notify_all()
 
     def _post(self, kind: str, inflight: InFlight, reason: str) -> None:
@@ -174,7 +168,7 @@ class Stepper:
                             return
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
-                    self._woken, self._urgent = False, None
+                    self._woken = self._urgent = False
                 for kind, inflight, reason in inbox:
                     if kind == "submit":
                         self._add(inflight)
@@ -246,8 +240,7 @@ class Stepper:
                 self._woken = False
 
     def _interrupt(self, plan: StepPlan) -> bool:
-        urgent = self._urgent
-        return urgent is not None and all(slot.priority.rank > urgent for slot in plan.slots)
+        return self._urgent and not any(slot.priority is Priority.REALTIME for slot in plan.slots)
 
     def _step(self) -> bool:
         """Run one step; whether it ran any row."""

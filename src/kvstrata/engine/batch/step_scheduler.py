@@ -30,11 +30,9 @@ budget), and join one step in ``realtime_share_every``: a step's cost grows with
 realtime request's inter-token latency should stay near its unloaded one. While a realtime request
 prefills (``realtime_prefill_alone``), the step holds nothing else but the starving requests'
 reserved rows: its time to first token is then that of its prefill alone, and the others lose one
-step. Likewise, while an interactive request prefills (``interactive_prefill_ahead``), background
-rows but the reserved starving ones wait: an agent waiting for its first token does not share its
-steps with work nobody waits for. A live request that does not fit is *paused*: it keeps its KV
-(the engine may demote it) and runs again when there is room; a paused request that ran in the
-previous step counts as a preemption of its class.
+step. A live request that does not fit is *paused*: it keeps its KV (the engine may demote it) and
+runs again when there is room; a paused request that ran in the previous step counts as a
+preemption of its class.
 """
 
 from __future__ import annotations
@@ -79,9 +77,6 @@ class StepBudget:
     stay as short as its own, but for the one that others share."""
     realtime_prefill_alone: bool = True
     """While a realtime request prefills: no other rows but the reserved starving ones."""
-    interactive_prefill_ahead: bool = True
-    """While an interactive request prefills: no background rows but the reserved starving ones
-    (a background row makes each of its steps longer; the starvation guard still runs it)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -227,9 +222,6 @@ class StepScheduler:
         realtime_prefill = budget.realtime_prefill_alone and any(
             e.priority is Priority.REALTIME and e.phase is Phase.PREFILL for e in live
         )
-        interactive_prefill = budget.interactive_prefill_ahead and any(
-            e.priority is Priority.INTERACTIVE and e.phase is Phase.PREFILL for e in live
-        )
         starving = sorted(
             (e for e in live if e.priority is not Priority.REALTIME and self._starving(e)),
             key=lambda e: (e.last_run, e.order),
@@ -251,8 +243,6 @@ class StepScheduler:
                 continue
             is_realtime = entry.priority is Priority.REALTIME
             if realtime_prefill and not is_realtime and entry not in reserved:
-                continue
-            if interactive_prefill and entry.priority is Priority.BACKGROUND and entry not in reserved:
                 continue
             room = budget.max_tokens - tokens
             if realtime_live and not is_realtime:
