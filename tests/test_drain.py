@@ -54,7 +54,15 @@ class Serve:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        deadline = time.monotonic() + 180
+        try:
+            self._wait_ready(deadline=time.monotonic() + 180)
+        except BaseException:  # a server that did not start in time must not outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise
+
+    def _wait_ready(self, deadline: float) -> None:
         while True:
             assert self.process.poll() is None, f"the server exited:\n{self.log()}"
             with contextlib.suppress(httpx.TransportError):
