@@ -152,7 +152,8 @@ def background_thread() -> bool:
 # the second arena 18 -> 34 MiB resident in 48 minutes, the main heap flat, everything else flat but
 # Python's arenas (+0 after 14 minutes), the whole RSS 593 -> 610 MiB (+7.8 MB/h over 15-60 min).
 # Its second hour, after a restart with one arena: RSS 569.2 -> 569.4 MiB over 76-120 minutes
-# (+0.09 MB/h), the main heap still 245.7 MiB, no second arena. Not slower there: TTFT p50 21 ms
+# (+0.09 MB/h), the main heap still 245.7 MiB, no second arena; a 2-hour soak with one arena
+# throughout (09:35 UTC): +0.14 MB/h in its first start, flat in its second. Not slower: TTFT p50 21 ms
 # in its quiet last 40 minutes against 31 in its first 30 (two arenas, light work beside it); the
 # arena's lock is rarely contended (small chunks come from each thread's tcache without it, and
 # the GIL serialises the Python threads). The serve benchmark has not been re-run since.
