@@ -41,7 +41,7 @@ def native_kernel() -> None:
     """Build (or load) the native decode-attention kernel, the int8 decode and the CRC32C of
     in-place restores before the first test, so that fp32 sdpa steps, int8 decodes and restores
     take the same path in every test, not one that depends on when a background build ends."""
-    from kvstrata.codecs import _native, _pages_native
+    from kvstrata.codecs import _native, _pages_native, _quant_native
     from kvstrata.engine.batch import decode_kernel
     from kvstrata.store import _native_crc
 
@@ -49,6 +49,7 @@ def native_kernel() -> None:
     _native.LIBRARY.load(timeout=300)  # the int8 decode: about a second
     _native_crc.LIBRARY.load(timeout=300)  # the in-place restores' CRC32C: about a second
     _pages_native.LIBRARY.load(timeout=300)  # encoded blocks' dequantization: about a second
+    _quant_native.LIBRARY.load(timeout=300)  # the int8 and int8s encode: about a second
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from kvstrata.codecs._bytes import (
 )
 from kvstrata.codecs._native import dequantize_into, dequantize_payload_into
 from kvstrata.codecs._quant import SCALE_BYTES, dequantize, quantize
+from kvstrata.codecs._quant_native import int8_payload
 from kvstrata.codecs.base import (
     DEFAULT_CONTEXT,
     BlockContext,
@@ -63,10 +64,12 @@ class Int8Codec:
         group = min(self.group_size, head_dim)
         if head_dim % group:
             raise CodecError(f"int8 group size {group} does not divide head_dim {head_dim}")
-        x = kv.float()
-        check_finite(x, self.name)
-        q = quantize(x.reshape(-1, group), 8, self.name)
-        payload = tensor_bytes(q.codes) + tensor_bytes(q.scale) + tensor_bytes(q.zero)
+        x = kv.float().contiguous()
+        payload = int8_payload(x, group)  # one pass in native code (kvstrata.codecs._quant_native)
+        if payload is None:  # the same bits with torch
+            check_finite(x, self.name)
+            q = quantize(x.reshape(-1, group), 8, self.name)
+            payload = tensor_bytes(q.codes) + tensor_bytes(q.scale) + tensor_bytes(q.zero)
         return EncodedBlock(
             self.codec_id, _PARAMS.pack(dtype_code(kv.dtype), group), payload, int(kv.shape[3])
         )

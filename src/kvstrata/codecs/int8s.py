@@ -40,6 +40,7 @@ from kvstrata.codecs._bytes import (
     require_int,
 )
 from kvstrata.codecs._quant import SCALE_BYTES, fp16_toward
+from kvstrata.codecs._quant_native import int8s_pages
 from kvstrata.codecs.base import DEFAULT_CONTEXT, BlockContext, CodecId, EncodedBlock, tensor_bytes
 from kvstrata.errors import CodecError, CorruptBlockError
 from kvstrata.layout import KVLayout
@@ -93,8 +94,12 @@ class Int8SymCodec:
         group = min(self.group_size, head_dim)
         if head_dim % group:
             raise CodecError(f"int8s group size {group} does not divide head_dim {head_dim}")
-        x = kv.float()
-        check_finite(x, self.name)
+        x = kv.float().contiguous()
+        params = self.record_params(dtype_code(kv.dtype), group)
+        native = int8s_pages(x, group, padded_tokens(tokens), page_nbytes(tokens, head_dim, group))
+        if native is not None:  # one pass in native code (kvstrata.codecs._quant_native)
+            return EncodedBlock(self.codec_id, params, native, tokens)
+        check_finite(x, self.name)  # the same bits with torch
         per_token = head_dim // group
         codes, scale = quantize_sym(x.reshape(2, layers, heads, tokens, per_token, group))
         runs = layers * heads
@@ -107,7 +112,6 @@ class Int8SymCodec:
         )
         parts = [key_codes, codes[1], key_scales, scale[1]]
         pages = torch.cat([part.reshape(runs, -1).contiguous().view(torch.uint8) for part in parts], 1)
-        params = self.record_params(dtype_code(kv.dtype), group)
         return EncodedBlock(self.codec_id, params, tensor_bytes(pages), tokens)
 
     @staticmethod

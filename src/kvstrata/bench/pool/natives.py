@@ -12,9 +12,9 @@ TIMEOUT_S = 600.0
 
 
 def load_natives(timeout_s: float = TIMEOUT_S) -> dict[str, str]:
-    """Load the decode kernel, the pages' dequantization, the int8 decode and the CRC32C helpers,
+    """Load the decode kernel, the pages' dequantization, the int8 decode and encode and the CRC32C helpers,
     waiting at most ``timeout_s`` for each; their status by name (``loaded``, or why not)."""
-    from kvstrata.codecs import _native, _pages_native
+    from kvstrata.codecs import _native, _pages_native, _quant_native
     from kvstrata.engine.batch import decode_kernel
     from kvstrata.store import _native_crc
 
@@ -23,6 +23,7 @@ def load_natives(timeout_s: float = TIMEOUT_S) -> dict[str, str]:
     for name, library in (
         ("pages dequantization", _pages_native.LIBRARY),
         ("int8 decode", _native.LIBRARY),
+        ("int8 encode", _quant_native.LIBRARY),
         ("crc32c", _native_crc.LIBRARY),
     ):
         library.load(timeout_s)
