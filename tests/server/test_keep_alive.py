@@ -44,6 +44,13 @@ def test_a_connection_idle_between_turns_is_still_open(model_dir: Path, tmp_path
             assert ends[0] == ends[1]  # the same connection, not a new one
         finally:
             connection.close()
+    # the start says what it does before uvicorn's first line (a start can take minutes under load)
+    log = server.log_path.read_text()
+    lines = [
+        log.index(line)
+        for line in ("kvstrata serve: loading the model", "loaded in", "ready after", "Uvicorn")
+    ]
+    assert lines == sorted(lines), log
 
 
 def test_the_keep_alive_is_given_to_uvicorn(model_dir: Path, tmp_path: Path) -> None:

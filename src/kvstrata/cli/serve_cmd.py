@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -182,9 +184,15 @@ def serve(
         tune_heap()  # freed tensors back to the OS, not kept in glibc's arenas (kvstrata.runtime)
         if threads:
             torch.set_num_threads(threads)
-        loaded = load_model(model, dtype=_torch_dtype(dtype), progress=stderr_is_terminal())
+        # a start can take minutes on a loaded machine: say what it is doing, before uvicorn's lines
+        started = time.perf_counter()
+        torch_dtype = _torch_dtype(dtype)
+        named = model or os.environ.get("KVSTRATA_MODEL") or "SmolLM2-135M-Instruct (the default)"
+        _starting(f"loading the model {named} in {str(torch_dtype).removeprefix('torch.')}")
+        loaded = load_model(model, dtype=torch_dtype, progress=stderr_is_terminal())
         layout = loaded.layout(BLOCK_TOKENS)
         root = store_for_layout(store_root(store), layout)
+        _starting(f"{loaded.name} loaded in {time.perf_counter() - started:.1f} s; opening the store {root}")
         kv = KVStore(root, layout, model_fingerprint=loaded.fingerprint, config=config)
         engine = Engine(
             loaded,
@@ -195,6 +203,7 @@ def serve(
         )
 
         freeze_startup_heap()  # a full garbage collection would stop requests for ~100 ms
+        _starting(f"ready after {time.perf_counter() - started:.1f} s; starting the HTTP server")
 
         def shutdown() -> None:
             # flushes queued writes, persists the counters and closes the index; not under
@@ -231,6 +240,11 @@ def serve(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot use the store under {store_root(store)}: {exc}")
+
+
+def _starting(message: str) -> None:
+    """One line of the start-up on stderr (flushed: a service manager's log shows it at once)."""
+    print(f"kvstrata serve: {message}", file=sys.stderr, flush=True)
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}

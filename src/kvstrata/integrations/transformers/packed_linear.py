@@ -153,6 +153,12 @@ than the caches), and a kernel timed on one weight kept in the cache misses that
 with the weight in the cache, 0.081 and 0.054 ms from memory (1536x576: 0.059 and 0.054 in the
 cache, 0.217 and 0.122 from memory), so timed in the cache one row stayed on MKL."""
 
+_MAX_COPIES = 128
+"""At most this many copies: a small weight would need thousands to fill :data:`_COLD_BYTES`
+(3,072 of a test model's 64x64 layer), while a model of such layers sits in the caches anyway.
+Uncapped, the measurement of the tiny test model's shapes took 116-273 s of a process's start
+beside other work (a ``kvstrata serve`` silent for minutes); SmolLM2's shapes need 1 to 114."""
+
 
 @functools.lru_cache(maxsize=32)
 def measure_routes(out_features: int, in_features: int) -> Routes:
@@ -161,7 +167,7 @@ def measure_routes(out_features: int, in_features: int) -> Routes:
     for a prefill chunk: the medians decide (once per shape and process; about 0.3 s for each of
     SmolLM2's shapes)."""
     gen = torch.Generator().manual_seed(0)
-    copies = max(1, -(-_COLD_BYTES // (out_features * in_features * 4)))
+    copies = min(_MAX_COPIES, max(1, -(-_COLD_BYTES // (out_features * in_features * 4))))
     weights = list(torch.randn(copies, out_features, in_features, generator=gen).unbind())
     with torch.no_grad():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) for w in weights]
