@@ -119,8 +119,14 @@ def check_batch_equals_alone(
     )
     recorder = Recorder()
     engine.add_step_listener(recorder, logits=True)
+    # every request arrives while the first step runs, whatever the machine's load: the step thread
+    # waits after its first step until all are submitted (else a slow submission loop could let
+    # the first rows finish before the last arrive, and no row would ever be paused)
+    submitted = threading.Event()
+    engine.add_step_listener(lambda report: submitted.wait(60))
     # (stream() starts a request without prefetching its session: each stays in its tier)
     streams = {name: engine.stream(request) for name, request in requests.items()}
+    submitted.set()
     got = {name: stream.result(300) for name, stream in streams.items()}
     engine.close()
 
