@@ -48,9 +48,8 @@ def dequantize_payload_into(payload: memoryview, groups: int, group: int, dest: 
     shapes do not fit it: the caller decodes with torch. A tensor of the payload cost more than
     the decode: it copies the codes to be writable (0.17 ms a SmolLM2 block, warm), and a fresh
     buffer for them faults page by page on this VM."""
-    lib = LIBRARY.loaded()
+    lib = LIBRARY.ready()
     if lib is None:
-        LIBRARY.start()
         return False
     count = groups * group
     if (
@@ -78,9 +77,8 @@ def dequantize_into(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     (float16, one per group) into ``dest`` (float32 CPU ``(2, L, H, T, D)``, ``D`` contiguous);
     False when the native library is not loaded (yet) or the shapes do not fit it: the caller
     decodes with torch. Starts the library's build on first use."""
-    lib = LIBRARY.loaded()
+    lib = LIBRARY.ready()
     if lib is None:
-        LIBRARY.start()
         return False
     group = codes.shape[-1]
     if (

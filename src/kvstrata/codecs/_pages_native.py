@@ -48,9 +48,8 @@ def dequantize_layer(
     contiguous and at most 256, the same dtype and strides; bfloat16 rounded as ``.to()``
     rounds); False when the library is not loaded (yet) or the tensors do not fit it: the caller
     dequantizes with torch. Starts the library's build on first use."""
-    lib = LIBRARY.loaded()
+    lib = LIBRARY.ready()
     if lib is None:
-        LIBRARY.start()
         return False
     if (
         arena.device.type != "cpu"

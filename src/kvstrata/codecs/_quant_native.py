@@ -46,13 +46,6 @@ LIBRARY = NativeLibrary(
 )
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = LIBRARY.loaded()
-    if lib is None:
-        LIBRARY.start()
-    return lib
-
-
 def _fits(x: torch.Tensor) -> bool:
     return x.dtype is torch.float32 and x.device.type == "cpu" and x.is_contiguous()
 
@@ -68,7 +61,7 @@ def int8_payload(x: torch.Tensor, group: int) -> bytes | None:
     """The int8 record's payload of float32 ``x`` (codes, then fp16 scales, then fp16 zero points,
     one per ``group`` values), or None when the library is not loaded (yet) or ``x`` does not fit
     it (the caller encodes with torch). Raises :class:`CodecError` as the torch path does."""
-    lib = _library()
+    lib = LIBRARY.ready()
     if lib is None or not _fits(x) or x.numel() % group:
         return None
     count = x.numel()
@@ -85,7 +78,7 @@ def int8s_pages(x: torch.Tensor, group: int, padded: int, page_nbytes: int) -> b
     rounded up as the page layout pads keys; ``page_nbytes`` one page's bytes), or None when the
     library is not loaded (yet) or ``x`` does not fit it. Raises :class:`CodecError` as the torch
     path does."""
-    lib = _library()
+    lib = LIBRARY.ready()
     if lib is None or not _fits(x) or x.dim() != 5:
         return None
     _, layers, heads, tokens, dim = x.shape

@@ -52,6 +52,14 @@ class BackgroundBuild(Generic[T]):
         """The built thing once loaded, else None (never blocks)."""
         return self._result
 
+    def ready(self) -> T | None:
+        """The built thing once loaded; else None, with its build started in the background (the
+        caller takes its fallback path meanwhile)."""
+        result = self.loaded()
+        if result is None:
+            self.start()
+        return result
+
     def status(self) -> str:
         """``loaded``, ``building``, ``not built``, or why it is not used."""
         return self._status

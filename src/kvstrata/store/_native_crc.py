@@ -62,9 +62,8 @@ def crc32c_runs(crc: int, base: int, offsets: np.ndarray, run: int) -> int | Non
     continuing ``crc`` (the ``crc32c`` package's convention); None when the native library is not
     loaded (yet): the caller checks with the package. Starts the library's build on first use.
     The caller guarantees the memory is there (the runs of a live buffer)."""
-    lib = LIBRARY.loaded()
+    lib = LIBRARY.ready()
     if lib is None:
-        LIBRARY.start()
         return None
     if offsets.dtype != np.int64 or not offsets.flags.c_contiguous:
         raise ValueError("offsets must be a contiguous int64 array")
@@ -218,9 +217,8 @@ def copy_runs(dest: np.ndarray, src: np.ndarray, lens: np.ndarray, *, stream: bo
     caches). False when the library is not loaded (yet): the caller copies another way. The caller
     guarantees both sides are live memory that does not overlap (three int64 arrays, one entry a
     run)."""
-    lib = LIBRARY.loaded()
+    lib = LIBRARY.ready()
     if lib is None:
-        LIBRARY.start()
         return False
     _check_runs(dest, src, lens)
     lib.kvs_copy_runs(dest.ctypes.data, src.ctypes.data, lens.ctypes.data, len(dest), int(stream))
@@ -232,9 +230,8 @@ def copy_crc32c_runs(
 ) -> int | None:
     """:func:`copy_runs` that also returns the CRC32C of the bytes copied (in order, continuing
     ``crc``), reading each source byte once; None when the library is not loaded (yet)."""
-    lib = LIBRARY.loaded()
+    lib = LIBRARY.ready()
     if lib is None:
-        LIBRARY.start()
         return None
     _check_runs(dest, src, lens)
     return int(
