@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _frozen = False
@@ -44,26 +47,43 @@ def freeze_startup_heap() -> None:
 # So kvstrata's background threads run their torch work without a team (single_threaded_torch),
 # and the engine frees the team of the thread that built it (release_openmp_threads): the step
 # thread's team is then the only one, as on the main thread of a script.
+#
+# A thread that ends frees its team, and the next thread to run a parallel region builds one
+# again. The engine's step thread and store worker used to end whenever they ran out of work, so a
+# server answering one request at a time started both threads, and a team, for every request.
+
+IDLE_THREAD_S = 30.0
+"""How long the engine's step thread and store worker wait for more work before they end."""
 
 
 def _libgomp() -> Any:
-    """torch's libgomp (the library instance already loaded), or None (another OpenMP, not Linux)."""
+    """torch's libgomp (the library instance already loaded), or None (another OpenMP, not Linux).
+
+    Looked up once, under a lock: the store's threads start together and each asks at once (a
+    thread that asked while another was looking used to get None, and ran with a team of its own:
+    every OpenMP region in the process then throttled, in some processes and not others)."""
     global _gomp
-    if _gomp is None:
-        _gomp = False
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
-            if len(paths) == 1:
-                lib = ctypes.CDLL(paths.pop())
-                if hasattr(lib, "omp_pause_resource_all") and hasattr(lib, "omp_set_num_threads"):
-                    _gomp = lib
-        except OSError:
-            pass
+    with _gomp_lock:
+        if _gomp is None:
+            _gomp = _find_libgomp()
     return _gomp or None
 
 
+def _find_libgomp() -> Any:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+        if len(paths) == 1:
+            lib = ctypes.CDLL(paths.pop())
+            if hasattr(lib, "omp_pause_resource_all") and hasattr(lib, "omp_set_num_threads"):
+                return lib
+    except OSError:
+        pass
+    return False
+
+
 _gomp: Any = None
+_gomp_lock = threading.Lock()
 
 
 def release_openmp_threads() -> bool:
@@ -86,6 +106,27 @@ def single_threaded_torch() -> None:
         return
     torch.get_num_threads()  # torch sets a thread's OpenMP threads on first use: let it do so now
     lib.omp_set_num_threads(1)
+
+
+@contextmanager
+def teamless() -> Iterator[None]:
+    """Run the block's torch operators on the calling thread alone (no OpenMP team), then give
+    the thread its setting back: for store work on a thread kvstrata does not own (a caller's
+    ``delete_session`` copies a block: on the caller's thread that built a team, and every step
+    of the engine then throttled, 15% slower, for the rest of the process)."""
+    import torch
+
+    lib = _libgomp()
+    if lib is None:
+        yield
+        return
+    torch.get_num_threads()
+    threads = lib.omp_get_max_threads()
+    lib.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        lib.omp_set_num_threads(threads)
 
 
 BACKGROUND_NICE = 10

@@ -394,6 +394,8 @@ class Engine:
         if report.complete:
             self._stepper.wait_idle()
             self._worker.wait_idle()
+            self._stepper.stop()
+            self._worker.stop()
             if self._prefetcher is not None:
                 self._prefetcher.close()
                 self._prefetcher = None

@@ -14,7 +14,9 @@ While a step of lower-class rows runs, a realtime request whose row became ready
 step up (:class:`StepInterrupted`, at the next layer), so its prefill runs at once instead of
 after a whole step of other sessions; the rows lose nothing but that step's time.
 
-The thread starts with the first request and ends when the batch is empty.
+The thread starts with the first request and ends once the batch has been empty for
+``IDLE_THREAD_S`` (:mod:`kvstrata.runtime`: a thread per request cost each request a new OpenMP
+team) or the engine closes (:meth:`Stepper.stop`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvstrata.engine.batch import (
 )
 from kvstrata.engine.inflight import InFlight
 from kvstrata.priority import Priority
+from kvstrata.runtime import IDLE_THREAD_S
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,8 @@ class Stepper:
         self._urgent = False
         self._live: dict[str, InFlight] = {}
         self._thread: threading.Thread | None = None
+        self._idle = True  # nothing submitted is unfinished
+        self._stopping = False
         self.gather_s = GATHER_S
         self.gather_max_s = GATHER_MAX_S
         self._gather: _Gathering | None = None
@@ -128,14 +133,23 @@ class Stepper:
 
     def _post(self, kind: str, inflight: InFlight, reason: str) -> None:
         self._inbox.append((kind, inflight, reason))
+        self._idle = self._stopping = False
         self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvstrata-steps", daemon=True)
             self._thread.start()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``) until every request submitted has finished."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._thread is None, timeout)
+            return self._cond.wait_for(lambda: self._idle, timeout)
+
+    def stop(self) -> None:
+        """Let an idle step thread end now rather than after ``IDLE_THREAD_S`` (the engine closes;
+        a later submit starts a new one)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     # -- the step thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -149,6 +163,7 @@ class Stepper:
                 self._done(inflight, "error")
             with self._cond:
                 self._thread = None
+                self._idle = not self._inbox
                 if self._inbox:  # requests posted meanwhile get a fresh thread
                     self._thread = threading.Thread(target=self._run, name="kvstrata-steps", daemon=True)
                     self._thread.start()
@@ -162,10 +177,12 @@ class Stepper:
                 with self._cond:
                     while not self._inbox and not self._woken and (waiting or not self.loop.pending):
                         if not self.loop.pending:
-                            self._thread = None  # idle: the next submit starts a new thread
                             self._gather = None  # (a burst that never opened a row)
+                            self._idle = True
                             self._cond.notify_all()
-                            return
+                            if not self._linger():
+                                return
+                            continue
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
                     self._woken = self._urgent = False
@@ -177,6 +194,15 @@ class Stepper:
                 if self._gather_rows() or self._inbox:
                     continue  # a request came or went meanwhile: take it in first
                 waiting = not self._step()
+
+    def _linger(self) -> bool:
+        """Wait (holding ``_cond``) for the next request, at most ``IDLE_THREAD_S``; False when
+        none came (or the engine closes): the thread ends, and the next submit starts a new one."""
+        self._cond.wait_for(lambda: self._inbox or self._woken or self._stopping, IDLE_THREAD_S)
+        if self._inbox or self._woken:
+            return True
+        self._thread = None
+        return False
 
     def _add(self, inflight: InFlight) -> None:
         if inflight.cancelled:  # cancelled while it was handed over: it never joins

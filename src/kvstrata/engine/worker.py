@@ -4,7 +4,8 @@ The engine's session work (restoring a request's prefix, committing its KV, chec
 here, off the step thread, so that a restore from disk or a checkpoint's fsync never stalls the
 batch's decoding. One thread does it all, in order of rank (then arrival), under the engine's
 store lock, which admin actions on the store take too. The thread starts with the first job and
-ends when it runs out of them, so an engine that is not used holds no thread.
+ends once it has had none for ``IDLE_THREAD_S`` (or at :meth:`PriorityWorker.stop`), so an
+engine that is not used holds no thread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvstrata.runtime import single_threaded_torch
+from kvstrata.runtime import IDLE_THREAD_S, single_threaded_torch
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,15 @@ class PriorityWorker:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._stopping = False
 
     def submit(self, rank: int, job: Job) -> None:
         """Run ``job`` after the queued jobs of a lower ``rank`` (and the earlier ones of its own).
         A job handles its own errors: one that escapes is logged, and the worker goes on."""
         with self._cond:
             heapq.heappush(self._heap, (rank, next(self._order), job))
+            self._stopping = False
+            self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
@@ -46,17 +50,27 @@ class PriorityWorker:
             return len(self._heap) + self._busy
 
     def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``) until every job submitted has run."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._thread is None, timeout)
+            return self._cond.wait_for(lambda: not self._heap and not self._busy, timeout)
+
+    def stop(self) -> None:
+        """Let an idle thread end now rather than after ``IDLE_THREAD_S`` (a later job starts a
+        new one)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     def _run(self) -> None:
         single_threaded_torch()  # no OpenMP team of its own beside the step thread's (runtime.py)
         while True:
             with self._cond:
                 if not self._heap:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
+                    self._cond.notify_all()  # idle (wait_idle)
+                    self._cond.wait_for(lambda: self._heap or self._stopping, IDLE_THREAD_S)
+                    if not self._heap:
+                        self._thread = None
+                        return
             # the job is chosen once the lock is ours: the most urgent of those queued by then
             with self.lock:
                 with self._cond:

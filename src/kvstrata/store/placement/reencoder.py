@@ -17,7 +17,7 @@ from kvstrata.codecs import Codec, loss_rank
 from kvstrata.errors import KVStrataError
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
-from kvstrata.runtime import background_thread
+from kvstrata.runtime import background_thread, teamless
 from kvstrata.store.block import KVBlock
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.durability import DiskWriter
@@ -56,7 +56,13 @@ class ReEncoder:
         self._thread.start()
 
     def age_out(self, keys: Iterable[BlockKey]) -> None:
-        """``keys`` left their session's recent window: re-encode them down the ladder."""
+        """``keys`` left their session's recent window: re-encode them down the ladder (their
+        exact copies are taken here, on the caller's thread: without an OpenMP team, see
+        ``runtime.teamless``)."""
+        with teamless():
+            self._age_out(keys)
+
+    def _age_out(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
             if not self._memory.leave_window(key):
                 continue
