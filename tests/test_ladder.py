@@ -13,6 +13,7 @@ from kvstrata import ConfigError, GcConfig, KVLayout, KVStore, Priority
 from kvstrata.codecs import CodecId
 from kvstrata.policy.ladder import CodecLadder, Rung
 from kvstrata.store.tiers.base import TierLevel
+from kvstrata.store.writer import BackgroundWriter
 
 from conftest import token_kv
 
@@ -104,6 +105,39 @@ def test_a_deleted_sessions_recent_blocks_go_down_the_ladder(open_store: Factory
     store.delete_session("second")
     store.flush()
     assert _l3_codecs(store, first.block_keys) == ["int8", "int8", "int8"]
+
+
+@pytest.mark.parametrize(("priority", "codec"), [("interactive", "int8"), ("background", "kivi4")])
+def test_a_transient_sessions_window_goes_to_l3_in_its_codec_at_once(
+    open_store: Factory, priority: str, codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stateless request's session (deleted right after it) writes its newest full block to L3
+    in its ladder codec once, not exact and then again re-encoded at its deletion; memory holds it
+    exact while the request runs; a realtime session's stays exact everywhere."""
+    store = open_store(layout=LAYOUT16, ladder=LADDER)
+    tokens = _tokens(16 * 3 + 5)
+    exact = token_kv(LAYOUT16, tokens)
+    session = store.create_session("anon", priority=priority, transient=True)
+    assert session.transient and not store.create_session("kept").transient
+    store.append(session, tokens, exact)
+    store.flush()
+    assert _l3_codecs(store, session.block_keys) == [codec] * 3
+    assert _l3_codecs(store, [session.tail_key]) == [codec]  # and its tail
+    loaded = store.load(session)  # the window as the request attends it: exact, from memory
+    assert torch.equal(loaded.kv[:, :, :, 32:], exact[:, :, :, 32:])  # type: ignore[index]
+    written: list[object] = []
+    submit = BackgroundWriter.submit
+    monkeypatch.setattr(
+        BackgroundWriter, "submit", lambda self, b, **kw: (written.append(b.key), submit(self, b, **kw))[1]
+    )
+    store.delete_session("anon")
+    store.flush()
+    assert _l3_codecs(store, session.block_keys) == [codec] * 3
+    assert written == []  # nothing written to L3 a second time
+    realtime = store.create_session("rt", priority="realtime", transient=True)
+    store.append(realtime, _tokens(32, 500), token_kv(LAYOUT16, _tokens(32, 500)))
+    store.flush()
+    assert _l3_codecs(store, realtime.block_keys) == ["identity", "identity"]
 
 
 def test_l2_holds_blocks_in_the_ladder_codec(open_store: Factory) -> None:

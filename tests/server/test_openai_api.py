@@ -123,6 +123,28 @@ def test_stateless_requests_leave_no_session_but_share_full_blocks(server: LiveS
     assert cached(second) == (second.usage.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
+def test_a_stateless_requests_session_is_transient(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stateless request's session is created transient (its newest blocks go to L3 in their
+    ladder codec at once: it is deleted a moment later); a named session is not."""
+    from kvstrata import KVStore
+
+    created: list[tuple[str, bool]] = []
+    create = KVStore.create_session
+
+    def recording(self: KVStore, session_id: str, *args: object, **kwargs: object) -> object:
+        created.append((session_id, bool(kwargs.get("transient"))))
+        return create(self, session_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KVStore, "create_session", recording)
+    client = server.client()
+    chat(client, [SYSTEM, {"role": "user", "content": "Stateless."}])
+    chat(client, [SYSTEM, {"role": "user", "content": "Named."}], "named-one")
+    assert [t for _, t in created] == [True, False]
+    assert created[0][0].startswith("anon-") and created[1][0] == "named-one"
+
+
 def test_priority_header_is_accepted(server: LiveServer) -> None:
     reply = chat(server.client(), [SYSTEM], "prio", headers={"X-Priority": "background"})
     assert reply.usage.completion_tokens == 6

@@ -83,6 +83,10 @@ class GenerationRequest:
     ttl_s: float | None = None
     """The TTL a session this request creates gets (one that gc expired and the agent came back
     to included): gc deletes it once idle this long. A session that exists keeps its own."""
+    transient: bool = False
+    """The caller deletes the session once this request is answered (a stateless request): a
+    session this request creates writes its newest blocks to L3 in their ladder codec at once
+    (:attr:`kvstrata.store.sessions.Session.transient`)."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids))

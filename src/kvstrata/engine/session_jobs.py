@@ -128,6 +128,7 @@ class SessionJobs:
                     priority=request.priority,
                     ttl_s=request.ttl_s,
                     exist_ok=True,
+                    transient=request.transient,
                 )
                 if Priority.parse(request.priority).rank < Priority.parse(session.priority).rank:
                     # its class rose (a background agent asked for realtime): its lossy blocks are

@@ -89,6 +89,7 @@ class Job:
             ttl_s=self.ttl_s,
             tools=self.tools,
             template_kwargs=self.template_kwargs,
+            transient=self.stateless,
         )
 
 

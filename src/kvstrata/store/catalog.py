@@ -186,7 +186,10 @@ class SessionCatalog:
         ttl_s: float | None = None,
         pinned: bool = False,
         exist_ok: bool = False,
+        transient: bool = False,
     ) -> Session:
+        """A new session (``exist_ok``: or the one there, as it is); ``transient``: one its
+        creator deletes after one request (:attr:`Session.transient`)."""
         self.writable()
         validate_session_id(session_id)
         if ttl_s is not None and ttl_s <= 0:
@@ -203,6 +206,7 @@ class SessionCatalog:
             priority=Priority.parse(priority),
             ttl_s=ttl_s,
             pinned=pinned,
+            transient=transient,
         )
         try:
             self.commit(session)

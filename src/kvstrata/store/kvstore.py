@@ -187,9 +187,18 @@ class KVStore:
         ttl_s: float | None = None,
         pinned: bool = False,
         exist_ok: bool = False,
+        transient: bool = False,
     ) -> Session:
+        """A new session; ``transient``: one deleted after one request (a stateless request's:
+        its newest blocks go to L3 in their ladder codec at once, see :attr:`Session.transient`)."""
         return self.sessions.create(
-            session_id, namespace, priority=priority, ttl_s=ttl_s, pinned=pinned, exist_ok=exist_ok
+            session_id,
+            namespace,
+            priority=priority,
+            ttl_s=ttl_s,
+            pinned=pinned,
+            exist_ok=exist_ok,
+            transient=transient,
         )
 
     def session(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> Session:

@@ -196,6 +196,7 @@ class SessionIO:
             priority=session.priority,
             recent=recent,
             absent_from_disk=absent_from_disk,
+            window_on_disk=not session.transient,
         )
 
     def _read_tail(self, session: Session) -> torch.Tensor:

@@ -98,6 +98,10 @@ class Session:
     grades: bytes | None = None
     """Its full blocks' grades where its class's L1 rung is graded, as the index row keeps them
     (:mod:`kvstrata.store.index.session_grades`; written by ``SessionIO.append``)."""
+    transient: bool = False
+    """Deleted once its request is answered (a stateless request's session): its recent window is
+    kept exact in memory, and written to L3 in its ladder codec at once. Not a column (a session
+    read back from the index is not transient)."""
     committed_version: int | None = None
     """The version of the index row this process last read or wrote (None: never committed):
     commits compare-and-set on it, so a stale copy never overwrites another process's newer

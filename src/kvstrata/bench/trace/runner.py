@@ -153,7 +153,10 @@ def replay(
                 ids = token_map.prompt(request)
                 session_id = f"req-{i}"
                 try:
-                    reply = engine.run(GenerationRequest(session_id, prompt_ids=ids, max_new_tokens=1))
+                    request_ = GenerationRequest(
+                        session_id, prompt_ids=ids, max_new_tokens=1, transient=i not in keep
+                    )
+                    reply = engine.run(request_)
                 except KVStrataError as exc:  # a checkpoint whose blocks L3 refused, for one
                     failed.append(f"request {i}: {exc}")
                     failed_blocks += len(request.hash_ids)
