@@ -392,8 +392,6 @@ class Engine:
         under them."""
         report = self.drain(timeout_s)
         if report.complete:
-            self._stepper.wait_idle()
-            self._worker.wait_idle()
             self._stepper.stop()
             self._worker.stop()
             if self._prefetcher is not None:

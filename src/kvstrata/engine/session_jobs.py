@@ -97,8 +97,7 @@ class SessionJobs:
 
     # -- open ------------------------------------------------------------------------------------
     def ended(self, inflight: InFlight) -> None:
-        """The request left the batch: what it registered as computing is released (its waiters
-        are lent what its row computed, which the step thread writes no more)."""
+        """The request left the batch: what it registered as computing is released (to waiters)."""
         if self.computing is not None:
             if inflight.row is not None:
                 inflight.published = inflight.row.length

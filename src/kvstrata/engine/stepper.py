@@ -145,9 +145,10 @@ class Stepper:
             return self._cond.wait_for(lambda: self._idle, timeout)
 
     def stop(self) -> None:
-        """Let an idle step thread end now rather than after ``IDLE_THREAD_S`` (the engine closes;
-        a later submit starts a new one)."""
+        """Wait until idle, then let the step thread end now rather than after ``IDLE_THREAD_S``
+        (the engine closes; a later submit starts a new one)."""
         with self._cond:
+            self._cond.wait_for(lambda: self._idle)
             self._stopping = True
             self._cond.notify_all()
 

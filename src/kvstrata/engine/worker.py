@@ -55,9 +55,10 @@ class PriorityWorker:
             return self._cond.wait_for(lambda: not self._heap and not self._busy, timeout)
 
     def stop(self) -> None:
-        """Let an idle thread end now rather than after ``IDLE_THREAD_S`` (a later job starts a
-        new one)."""
+        """Wait until idle, then let the thread end now rather than after ``IDLE_THREAD_S`` (a
+        later job starts a new one)."""
         with self._cond:
+            self._cond.wait_for(lambda: not self._heap and not self._busy)
             self._stopping = True
             self._cond.notify_all()
 

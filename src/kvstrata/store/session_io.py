@@ -164,8 +164,7 @@ class SessionIO:
             self.checkpoint(session)
 
     def _recall(self, session: Session) -> bool:
-        """Whether ``session``'s class is graded; its row's grades recalled where this process
-        knows none (a restart, another process)."""
+        """Whether ``session``'s class is graded; its row's grades recalled where none are known."""
         graded = self._ladder.graded(session.priority)
         if graded and session.grades is not None:
             self._pool.recall(session.block_keys, session.grades, f"session {session.namespace}/{session.id}")
