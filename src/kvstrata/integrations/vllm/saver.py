@@ -24,7 +24,7 @@ from kvstrata.integrations.vllm.layout import PageFormat
 from kvstrata.integrations.vllm.metadata import LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.ranks import rank_key
 from kvstrata.priority import Priority
-from kvstrata.runtime import lower_priority
+from kvstrata.runtime import lower_priority, single_threaded_torch
 from kvstrata.store import KVStore
 from kvstrata.store.block import KVBlock
 
@@ -107,6 +107,7 @@ class BlockSaver:
             return len(self._pending)
 
     def _run(self) -> None:
+        single_threaded_torch()  # no OpenMP team beside the forward pass's (kvstrata.runtime)
         while True:
             item = self._queue.get()
             try:
@@ -189,6 +190,7 @@ class BlockLoader:
         self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
+        single_threaded_torch()  # no OpenMP team beside the forward pass's (kvstrata.runtime)
         while True:
             spec = self._queue.get()
             if spec is None:
