@@ -139,3 +139,17 @@ def test_deleting_a_session_on_a_callers_thread_starts_no_team(tmp_path) -> None
             return threads_of_process() - before - python
 
         assert not in_thread(delete)  # no thread but Python's own started (an OpenMP worker is none)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one OpenMP thread: no team to start")
+def test_the_servers_admin_work_runs_teamless() -> None:
+    """Admin routes (fork, export, delete, stats) run store work on the server's worker threads
+    (``deps.locked``): alone there, so no OpenMP team outlives the call beside the engine's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvstrata.server.deps import locked
+
+    ctx = SimpleNamespace(store_lock=threading.Lock())
+    assert asyncio.run(locked(ctx, torch.get_num_threads)) == 1  # type: ignore[arg-type]
+    # (the worker thread gets its own setting back: test_teamless_starts_no_team_...)

@@ -9,6 +9,7 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from kvstrata.runtime import teamless
 from kvstrata.server.auth import Denied, KeyGrant
 from kvstrata.server.context import ServerContext
 from kvstrata.server.errors import APIError
@@ -64,10 +65,12 @@ def require_tenant(request: Request) -> str:
 
 
 async def locked(ctx: ServerContext, work: Callable[[], T]) -> T:
-    """Run ``work`` in a worker thread while holding the store lock (the event loop stays free)."""
+    """Run ``work`` in a worker thread while holding the store lock (the event loop stays free),
+    its torch work on that thread alone (``runtime.teamless``: an OpenMP team there would throttle
+    every step of the engine's for as long as the thread lives)."""
 
     def run() -> T:
-        with ctx.store_lock:
+        with ctx.store_lock, teamless():
             return work()
 
     return await run_in_threadpool(run)
