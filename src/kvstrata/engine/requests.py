@@ -85,7 +85,7 @@ class GenerationRequest:
     to included): gc deletes it once idle this long. A session that exists keeps its own."""
     transient: bool = False
     """The caller deletes the session once this request is answered (a stateless request): a
-    session this request creates writes its newest blocks to L3 in their ladder codec at once
+    session this request creates keeps no exact recent window
     (:attr:`kvstrata.store.sessions.Session.transient`)."""
 
     def __post_init__(self) -> None:

@@ -189,7 +189,7 @@ class SessionCatalog:
         transient: bool = False,
     ) -> Session:
         """A new session (``exist_ok``: or the one there, as it is); ``transient``: one its
-        creator deletes after one request (:attr:`Session.transient`)."""
+        creator deletes after one request (no exact recent window: :attr:`Session.transient`)."""
         self.writable()
         validate_session_id(session_id)
         if ttl_s is not None and ttl_s <= 0:

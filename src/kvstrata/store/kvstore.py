@@ -190,7 +190,7 @@ class KVStore:
         transient: bool = False,
     ) -> Session:
         """A new session; ``transient``: one deleted after one request (a stateless request's:
-        its newest blocks go to L3 in their ladder codec at once, see :attr:`Session.transient`)."""
+        no exact recent window, see :attr:`Session.transient`)."""
         return self.sessions.create(
             session_id,
             namespace,

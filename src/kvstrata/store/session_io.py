@@ -142,13 +142,13 @@ class SessionIO:
                 [kv[:, :, :, i * bt : (i + 1) * bt] for i in range(first, first + len(keys))]
             )
             for i, (key, tensor) in enumerate(zip(keys, tensors, strict=True), first):
-                recent = len(session.block_keys) >= window_start
+                recent = len(session.block_keys) >= window_start and not session.transient
                 self._put_block(key, start_pos + i * bt, tensor, session, recent, key in absent)
                 session.block_keys.append(key)
         replaced, session.tail_key = session.tail_key, tail
         if tail is not None:
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
-            self._put_block(tail, start_pos + offset, tensor, session, True, tail in absent)
+            self._put_block(tail, start_pos + offset, tensor, session, not session.transient, tail in absent)
         if replaced is not None and replaced != tail:
             self._reencoder.supersede(replaced)
         if graded:  # grades first: what the blocks leaving the window become; kept in the session's row
@@ -195,7 +195,6 @@ class SessionIO:
             priority=session.priority,
             recent=recent,
             absent_from_disk=absent_from_disk,
-            window_on_disk=not session.transient,
         )
 
     def _read_tail(self, session: Session) -> torch.Tensor:

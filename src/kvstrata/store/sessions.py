@@ -99,9 +99,10 @@ class Session:
     """Its full blocks' grades where its class's L1 rung is graded, as the index row keeps them
     (:mod:`kvstrata.store.index.session_grades`; written by ``SessionIO.append``)."""
     transient: bool = False
-    """Deleted once its request is answered (a stateless request's session): its recent window is
-    kept exact in memory, and written to L3 in its ladder codec at once. Not a column (a session
-    read back from the index is not transient)."""
+    """Deleted once its request is answered (a stateless request's session): it has no exact
+    recent window (nothing appends to it again; its running request attends its own row's exact
+    KV), so its blocks go to memory and L3 in their ladder codecs at once, not exact first and
+    again re-encoded at its deletion. Not a column (a session read back is not transient)."""
     committed_version: int | None = None
     """The version of the index row this process last read or wrote (None: never committed):
     commits compare-and-set on it, so a stale copy never overwrites another process's newer

@@ -41,11 +41,10 @@ class Encodings:
             codec = self._codecs[name] = codecs.get_codec(name)
         return codec
 
-    def target(self, key: BlockKey, level: TierLevel, *, window: bool = True) -> Codec:
-        """What the ladder wants for ``key`` in ``level``: exact while in a recent window (unless
-        not ``window``: a throwaway session's, whose window lives in memory only)."""
+    def target(self, key: BlockKey, level: TierLevel) -> Codec:
+        """What the ladder wants for ``key`` in ``level``: exact while in a recent window."""
         stats = self._stats.get(key)
-        if stats is None or (stats.recent and window):
+        if stats is None or stats.recent:
             name = "identity" if stats is not None else self.ladder.codec_for(Priority.INTERACTIVE, level)
             return self.codec(name)
         priority = stats.priority or Priority.INTERACTIVE
@@ -99,10 +98,10 @@ class Encodings:
         """The lossiest stored copy a session of ``priority`` (interactive when unknown) accepts."""
         return self.ladder.max_loss_rank(priority or Priority.INTERACTIVE)
 
-    def fit(self, block: KVBlock, level: TierLevel, *, window: bool = True) -> KVBlock:
+    def fit(self, block: KVBlock, level: TierLevel) -> KVBlock:
         """``block`` encoded as the ladder wants for ``level``; an encoding already at least as
         lossy is kept (re-encoding cannot regain precision, it would only cost time)."""
-        codec = self.target(block.key, level, window=window)
+        codec = self.target(block.key, level)
         if block.encoded is not None and loss_rank(block.encoded.codec) >= codec.loss_rank:
             return block
         return block.reencoded(codec, self.layout)
@@ -146,8 +145,6 @@ class Encodings:
             return None
         return codec
 
-    def for_disk(self, block: KVBlock, *, window: bool = True) -> KVBlock:
-        """:meth:`fit` for L3 (what the writer is handed); not ``window``: a block of a throwaway
-        session's recent window goes in its ladder codec at once (exact, it would be re-encoded
-        and written again when the session is deleted, a moment later)."""
-        return self.fit(block, TierLevel.L3, window=window)
+    def for_disk(self, block: KVBlock) -> KVBlock:
+        """:meth:`fit` for L3 (what the writer is handed)."""
+        return self.fit(block, TierLevel.L3)

@@ -45,14 +45,12 @@ class Writes:
         namespace: str | None = None,
         replace: bool = False,
         absent_from_disk: bool = False,
-        window_on_disk: bool = True,
     ) -> bool:
         """Place a new block at the top tier. A block already stored anywhere is only touched,
         unless every stored copy is lossier than ``priority`` accepts (or ``replace``): then this
         (exact) block replaces them. ``recent`` marks it as in a session's full-precision window.
-        ``absent_from_disk``: the caller just found L3 without it (no index query again); not
-        ``window_on_disk``: L3 gets a ``recent`` block in its ladder codec (a throwaway
-        session's, :attr:`Session.transient`). True once it is placed or queued for L3."""
+        ``absent_from_disk``: the caller just found L3 without it (no index query again). True
+        once it is placed or queued for L3."""
         write = self._memory.admit(
             block,
             priority=priority,
@@ -62,7 +60,7 @@ class Writes:
             absent_from_disk=absent_from_disk,
         )
         if write:
-            submit = self._encodings.for_disk(block, window=window_on_disk)
+            submit = self._encodings.for_disk(block)
             self._writer.submit(submit, replace=replace)  # may wait for queue room
             if self._remote is not None and self._remote.write_through:
                 self._remote.submit(submit)
