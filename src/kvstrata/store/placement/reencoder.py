@@ -58,9 +58,11 @@ class ReEncoder:
     def age_out(self, keys: Iterable[BlockKey]) -> None:
         """``keys`` left their session's recent window: re-encode them down the ladder (their
         exact copies are taken here, on the caller's thread: without an OpenMP team, see
-        ``runtime.teamless``)."""
-        with teamless():
-            self._age_out(keys)
+        ``runtime.teamless``; most appends push none out: nothing to set up then)."""
+        keys = list(keys)
+        if keys:
+            with teamless():
+                self._age_out(keys)
 
     def _age_out(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
