@@ -14,6 +14,7 @@ import torch
 from kvstrata.codecs import BlockContext, get_codec, pages
 from kvstrata.codecs.arena import PageArena
 from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, decode_kernel
+from kvstrata.integrations.transformers import packed_linear
 from kvstrata.integrations.transformers.cache import KVStrataCache, PagedLayer
 from kvstrata.integrations.transformers.model import layout_for_config, tiny_llama
 
@@ -146,3 +147,36 @@ def test_the_kernel_adds_up_the_attention_mass_of_encoded_blocks_where_they_lie(
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     assert abs(got.sum().item() - layers * heads) < 1e-4  # each query's probabilities sum to 1
+
+
+def test_the_native_decode_step_reads_encoded_blocks_as_the_python_loop_does(kernel: ModuleType) -> None:
+    """bf16 linears packed: a decode step's layers run in one native call (decode_step.cpp);
+    rows holding encoded blocks (one tracking its attention mass) give the loop's logits, KV and
+    mass bit for bit."""
+    if not packed_linear.bf16_packing_available():
+        pytest.skip("oneDNN has no bf16 here: no packed linears")
+    model = model_of(torch.bfloat16)
+    packed_linear.pack_linears(model)
+    native, loop = BatchedForward(model), BatchedForward(model)
+    assert loop._llama is not None and native._llama is not None
+    loop._llama._native_layers = None
+    histories, plans = [ids(11, 70), ids(12, 40)], [PLAN, ["int8s", "kivi4"]]
+    rows = [
+        [
+            BatchRow(paged_and_reference(model, h, p)[0], track_attention=i == 0)
+            for i, (h, p) in enumerate(zip(histories, plans, strict=True))
+        ]
+        for _ in range(2)
+    ]
+    feeds = [[5], [6]]
+    for _ in range(3):
+        got = native.forward([Segment(r, f) for r, f in zip(rows[0], feeds, strict=True)])
+        want = loop.forward([Segment(r, f) for r, f in zip(rows[1], feeds, strict=True)])
+        for g, w in zip(got, want, strict=True):
+            assert g is not None and w is not None and torch.equal(g, w)
+        feeds = [[int(w.argmax())] for w in want]  # type: ignore[union-attr]
+    assert native._llama.native_steps == 3 and loop._llama.native_steps == 0
+    for a, b in zip(rows[0], rows[1], strict=True):
+        for x, y in zip(a.cache.layers, b.cache.layers, strict=True):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+    assert torch.equal(rows[0][0].block_mass(BLOCK), rows[1][0].block_mass(BLOCK))

@@ -657,6 +657,14 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 bool append_rows(const at::Tensor& keys, const at::Tensor& values, const std::vector<at::Tensor>& buffers,
                  std::vector<at::Tensor> views, const std::vector<int64_t>& sizes);
 
+// decode_step.cpp: the decoder layers of a decode step
+py::tuple decode_layers(at::Tensor hidden, at::Tensor x, const std::vector<at::Tensor>& weights,
+                        const std::vector<double>& eps, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::vector<at::Tensor>& buffers, std::vector<at::Tensor> views, int64_t heads,
+                        int64_t kv_heads, int64_t head_dim, double scaling, const std::vector<at::Tensor>& arenas,
+                        const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& masses,
+                        py::object interrupt);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512 and F16C).");
   // the arguments are converted first; the GIL is then released, as torch's own operators do
@@ -675,4 +683,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("append_rows", &append_rows,
         "Append each row's new keys and values to its layer's buffer and lengthen its views in place.",
         py::arg("keys"), py::arg("values"), py::arg("buffers"), py::arg("views"), py::arg("sizes"));
+  // releases the GIL itself (it takes it again to ask `interrupt`)
+  m.def("decode_layers", &decode_layers,
+        "A Llama decode step's decoder layers (every row one token, bf16 linears packed for oneDNN).",
+        py::arg("hidden"), py::arg("x"), py::arg("weights"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
+        py::arg("buffers"), py::arg("views"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+        py::arg("scaling"), py::arg("arenas"), py::arg("tables"), py::arg("masses"), py::arg("interrupt"));
 }

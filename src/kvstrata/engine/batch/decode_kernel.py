@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 LAYER_OPS_SOURCE = Path(__file__).with_name("layer_ops.cpp")
 """The elementwise parts of a batched Llama step (:mod:`.llama`), built into the same module."""
+STEP_SOURCE = Path(__file__).with_name("decode_step.cpp")
+"""A Llama decode step's decoder layers in one call (:mod:`.llama`), built into the same module."""
+SOURCES = (SOURCE, LAYER_OPS_SOURCE, STEP_SOURCE)
 NAME = f"kvstrata_decode_attention_{hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]}"
 """One build per environment: a build compiles against its environment's torch headers, and two
 environments sharing one build directory (the project's venv and vLLM's) rebuilt it in turn."""
@@ -87,7 +90,7 @@ def built() -> bool:
         directory = Path(_get_build_directory(NAME, False))
         built_at = (directory / f"{NAME}.so").stat().st_mtime
         ninja = (directory / "build.ninja").read_text()
-        sources = [(str(source), source.stat().st_mtime) for source in (SOURCE, LAYER_OPS_SOURCE)]
+        sources = [(str(source), source.stat().st_mtime) for source in SOURCES]
     except OSError:
         return False
     return all(path in ninja and mtime <= built_at for path, mtime in sources)
@@ -96,7 +99,7 @@ def built() -> bool:
 def _unavailable() -> str | None:
     if os.environ.get(ENV, "1") == "0":
         return f"turned off ({ENV}=0)"
-    for source in (SOURCE, LAYER_OPS_SOURCE):
+    for source in SOURCES:
         if not source.is_file():
             return f"the kernel's source is missing ({source})"
     compiler = os.environ.get("CXX", "c++")
@@ -128,7 +131,7 @@ def _build() -> tuple[ModuleType | None, str]:
         directory = Path(_get_build_directory(NAME, False))
         with _builder_lock(directory):
             _clear_left_lock(directory)
-            sources = [str(SOURCE), str(LAYER_OPS_SOURCE)]
+            sources = [str(source) for source in SOURCES]
             module = load_extension(NAME, sources, extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # a compiler error, a broken toolchain: sdpa keeps working
         log.warning("the native decode-attention kernel failed to build; using sdpa\n%s", exc)

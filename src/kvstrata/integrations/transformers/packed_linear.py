@@ -71,6 +71,11 @@ def pack_linears(model: torch.nn.Module) -> int:
     return packed
 
 
+def packed_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The bf16 weight :func:`pack_linears` packed for ``module`` (None where it packed none)."""
+    return getattr(module, _PACKED, None)
+
+
 def is_packed(module: torch.nn.Module) -> bool:
     """Whether :func:`pack_linears` or :func:`pad_fp32_linears` changed ``module``."""
     return hasattr(module, _PACKED) or hasattr(module, _PADDED)
@@ -107,7 +112,8 @@ def rows_bucket(rows: int) -> int:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` through the packed weight, its rows padded with zeros up to :func:`rows_bucket` (each
-    row's result is its own: the padding rows are dropped)."""
+    row's result is its own: the padding rows are dropped). The native decode step
+    (``engine/batch/decode_step.cpp``) does the same in C++: change both together."""
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     bucket = rows_bucket(rows)
