@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one native call (decode_step.cpp, through
-``LlamaStep._decode_layers``) against the Python loop of the same step: the same logits and the
-same KV bit for bit; steps it does not take (a prefill, a full buffer) run the loop; an
+``LlamaStep._decode_layers``) against the Python loop of the same step, bf16 and fp32: the same
+logits and the same KV bit for bit; steps it does not take (a prefill, a full buffer) run the loop; an
 interrupted step leaves every row as it was; attention mass added up as the loop adds it."""
 
 from __future__ import annotations
@@ -12,21 +12,27 @@ from batch_reference import ids, prefix_kv
 from kvstrata.engine.batch import BatchedForward, BatchRow, Segment, StepInterrupted, decode_kernel
 from kvstrata.integrations.transformers.cache import KVStrataCache
 from kvstrata.integrations.transformers.model import tiny_llama
-from kvstrata.integrations.transformers.packed_linear import bf16_packing_available, pack_linears
+from kvstrata.integrations.transformers.packed_linear import (
+    bf16_packing_available,
+    pack_linears,
+    pad_fp32_linears,
+)
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
     if decode_kernel.load() is None:
         status = decode_kernel.status()
         if status.startswith("build failed") or status == "building":
             pytest.fail(f"the kernel did not build: {status}")
         pytest.skip(f"the native module is not available here: {status}")
-    if not bf16_packing_available():
-        pytest.skip("oneDNN has no bf16 here: no packed linears")
-    model = tiny_llama(23, num_layers=3, hidden=256, heads=4, kv_heads=2).to(torch.bfloat16)  # head_dim 64
+    if not torch.backends.mkldnn.is_available() or (
+        request.param == torch.bfloat16 and not bf16_packing_available()
+    ):
+        pytest.skip("no oneDNN for this dtype here: no packed linears")
+    model = tiny_llama(23, num_layers=3, hidden=256, heads=4, kv_heads=2).to(request.param)  # head_dim 64
     model.set_attn_implementation("sdpa")
-    assert pack_linears(model) > 0
+    assert pack_linears(model) + pad_fp32_linears(model) > 0  # as the engine prepares a model
     return model
 
 

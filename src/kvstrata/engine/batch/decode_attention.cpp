@@ -685,7 +685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("keys"), py::arg("values"), py::arg("buffers"), py::arg("views"), py::arg("sizes"));
   // releases the GIL itself (it takes it again to ask `interrupt`)
   m.def("decode_layers", &decode_layers,
-        "A Llama decode step's decoder layers (every row one token, bf16 linears packed for oneDNN).",
+        "A Llama decode step's decoder layers (every row one token, linears packed for oneDNN).",
         py::arg("hidden"), py::arg("x"), py::arg("weights"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
         py::arg("buffers"), py::arg("views"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
         py::arg("scaling"), py::arg("arenas"), py::arg("tables"), py::arg("masses"), py::arg("interrupt"));

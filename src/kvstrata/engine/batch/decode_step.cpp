@@ -1,10 +1,11 @@
 // The decoder layers of a batched Llama decode step (kvstrata/engine/batch/llama.py, LlamaStep) in
-// one call, for the step where every row decodes one token over bf16 linear layers packed for
-// oneDNN: the same operators in the same order as the Python loop, so the same bits, without the
-// Python between them. Per layer the loop ran about twenty torch and native calls from Python
-// (module calls, views, splits, the packed linears through torch.ops' boxed path, the attention
-// function's bookkeeping): 8-9 ms of an 8-row SmolLM2 bf16 step of 51-54 ms on this project's
-// Intel VM (see llama.py's docstring), where vLLM runs its layers as one compiled graph.
+// one call, for the step where every row decodes one token over linear layers packed for oneDNN
+// (bf16, or fp32 where the step's rows run on the packed copies): the same operators in the same
+// order as the Python loop, so the same bits, without the Python between them. Per layer the loop
+// ran about twenty torch and native calls from Python (module calls, views, splits, the packed
+// linears through torch.ops' boxed path, the attention function's bookkeeping): 8-9 ms of an
+// 8-row SmolLM2 bf16 step of 51-54 ms on this project's Intel VM (see llama.py's docstring), where
+// vLLM runs its layers as one compiled graph.
 //
 // The GIL is released for the whole loop (as torch's own operators release it), and taken again
 // only to ask `interrupt` before each layer's attention, as the Python loop asks.

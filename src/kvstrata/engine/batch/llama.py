@@ -25,15 +25,16 @@ order), so a step stays within float rounding of the model's own forward (a test
 decode steps of SmolLM2 in bf16, KL to fp32 0.00113 against 0.00129 with torch's operators, top-1
 agreement 97.7% against 96.5%.
 
-Where every row of a step decodes one token on the decode kernel and the linears are bf16-packed,
-the decoder layers run in one native call (``decode_step.cpp``, :meth:`LlamaStep._decode_layers`):
+Where every row of a step decodes one token on the decode kernel and every linear runs the step's
+rows on a packed weight (bf16 always; fp32 for 2 to 63 rows, and one row where oneDNN beat MKL on
+this CPU), the decoder layers run in one native call (``decode_step.cpp``, :meth:`LlamaStep._decode_layers`):
 the same operators in the same order, so the same logits and KV bit for bit (tests), without the
 Python around each of the loop's ~20 operator calls a layer (SmolLM2, 8 rows of 150-750 tokens,
 one thread, the two alternated step by step in one process, 2026-12-06: 50.8-53.6 -> 42.0-44.6
 ms a step; under ``kvstrata serve`` with 8 sessions streaming, ITL p50 51.5-55.3 -> 44.0-46.2
 ms). It releases the GIL for the whole loop, taking it again only to ask the step's interrupt
-before each layer's attention. A prefill step, fp32, and a step where a row's buffer is full
-run the loop.
+before each layer's attention. A prefill step, and a step where a row's buffer is full, run the
+loop.
 
 Measured (SmolLM2, one thread, Intel Xeon VM with AMX, 2026-12-05; the model's own forward at
 21b2882 against this path, alternated by process): a one-row decode step 60.1 / 61.9 -> 57.9 /
@@ -178,6 +179,8 @@ class LlamaStep:
         """Each layer's input norm, then the model's final one: the norm after layer ``i``'s MLP
         is ``i + 1``."""
         self._native_layers: tuple[list[torch.Tensor], list[float]] | None = None
+        self._linears: list[torch.nn.Linear] = []
+        self._native_rows: dict[int, bool] = {}
         self.native_steps = 0
         """Steps whose layers ran in one native call (:meth:`_decode_layers`)."""
         self._prepare()
@@ -193,20 +196,35 @@ class LlamaStep:
     def _native_weights(self) -> tuple[list[torch.Tensor], list[float]] | None:
         """What the native decode step (``decode_step.cpp``) takes, per layer: the packed q/k/v,
         o, gate/up and down weights, the post-attention norm's and the next norm's weights (and
-        their epsilons); None where a linear is not bf16-packed or has a bias (the Python loop
+        their epsilons); None where a linear has no packed weight or has a bias (the Python loop
         runs those steps)."""
         weights: list[torch.Tensor] = []
         eps: list[float] = []
         for index, (layer, fused) in enumerate(zip(self.model.model.layers, self.fused, strict=True)):
             linears = [fused.qkv, layer.self_attn.o_proj, fused.gate_up, layer.mlp.down_proj]
-            packed = [packed_linear.packed_weight(linear) for linear in linears]
+            packed = [packed_linear.packed_for_rows(linear, 2) for linear in linears]
             if any(p is None for p in packed) or any(linear.bias is not None for linear in linears):
                 return None
             post = layer.post_attention_layernorm
             following, following_eps = self._norms[index + 1]
             weights += [*packed, post.weight, following]  # type: ignore[list-item]
             eps += [float(post.variance_epsilon), following_eps]
+        self._linears = [
+            linear
+            for layer, fused in zip(self.model.model.layers, self.fused, strict=True)
+            for linear in (fused.qkv, layer.self_attn.o_proj, fused.gate_up, layer.mlp.down_proj)
+        ]
+        self._native_rows.clear()
         return weights, eps
+
+    def _packed_for(self, rows: int) -> bool:
+        """Whether every linear runs ``rows`` rows on its packed weight (fp32 linears send one row
+        to MKL where that was faster on this CPU: :func:`packed_linear.measure_routes`)."""
+        known = self._native_rows.get(rows)
+        if known is None:
+            known = all(packed_linear.packed_for_rows(linear, rows) is not None for linear in self._linears)
+            self._native_rows[rows] = known
+        return known
 
     def __call__(
         self,
@@ -270,6 +288,8 @@ class LlamaStep:
         room: the loop grows it)."""
         decode_layers = getattr(native, "decode_layers", None)
         if decode_layers is None or step.native_tokens is not None or len(step.native) != len(step.rows):
+            return None
+        if not self._packed_for(len(step.rows)):
             return None
         assert self._native_layers is not None
         by_row = [row.cache.layers for row in step.rows]

@@ -71,9 +71,18 @@ def pack_linears(model: torch.nn.Module) -> int:
     return packed
 
 
-def packed_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The bf16 weight :func:`pack_linears` packed for ``module`` (None where it packed none)."""
-    return getattr(module, _PACKED, None)
+def packed_for_rows(module: torch.nn.Module, rows: int) -> torch.Tensor | None:
+    """The packed weight ``module``'s forward runs ``rows`` rows through with :func:`packed_linear`:
+    a bf16 one (:func:`pack_linears`) always, an fp32 one (:func:`pad_fp32_linears`) where its
+    routes send that many rows; None where another kernel runs them."""
+    packed = getattr(module, _PACKED, None)
+    if packed is not None:
+        return packed
+    packed = getattr(module, _PACKED_FP32, None)
+    if packed is None or rows < 1 or 2 <= rows < _PAD_BELOW:
+        return packed
+    routes: Routes = getattr(module, _PADDED)
+    return packed if (routes.chunks if rows >= _PAD_BELOW else routes.one_row) else None
 
 
 def is_packed(module: torch.nn.Module) -> bool:
