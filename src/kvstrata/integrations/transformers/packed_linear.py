@@ -79,7 +79,9 @@ def packed_for_rows(module: torch.nn.Module, rows: int) -> torch.Tensor | None:
     if packed is not None:
         return packed
     packed = getattr(module, _PACKED_FP32, None)
-    if packed is None or rows < 1 or 2 <= rows < _PAD_BELOW:
+    if packed is None or rows < 1:
+        return None
+    if 2 <= rows < _PAD_BELOW:
         return packed
     routes: Routes = getattr(module, _PADDED)
     return packed if (routes.chunks if rows >= _PAD_BELOW else routes.one_row) else None
@@ -245,15 +247,10 @@ def pad_fp32_linears(model: torch.nn.Module, routes: Routes | None = None) -> in
 def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    packed = getattr(self, _PACKED_FP32, None)
-    if rows >= _PAD_BELOW or rows < 2:
-        routes: Routes = getattr(self, _PADDED)
-        if packed is not None and rows > 0 and (routes.chunks if rows >= _PAD_BELOW else routes.one_row):
-            return packed_linear(x, packed, self.bias)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+    packed = packed_for_rows(self, rows)
     if packed is not None:
         return packed_linear(x, packed, self.bias)
-    if rows % 4 < 2:
+    if rows >= _PAD_BELOW or rows % 4 < 2:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, features)
     padded = torch.cat([flat, flat.new_zeros(4 - rows % 4, features)])
