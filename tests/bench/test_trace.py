@@ -136,6 +136,48 @@ def test_cli_rejects_bad_input(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "trace", "--memory-fraction", "0"])
     assert result.exit_code == 1
     assert "must be positive" in result.output
+    result = CliRunner().invoke(app, ["bench", "trace", "--repeats", "0"])
+    assert result.exit_code == 1 and "--repeats must be positive" in result.output
+    result = CliRunner().invoke(app, ["bench", "trace", "--warmup", "-1"])
+    assert result.exit_code == 1 and "--warmup must be 0 or more" in result.output
+
+
+def test_repeats_rotate_the_order_after_an_untimed_warmup(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstrata.bench.trace import runner
+
+    calls: list[tuple[str, int, int]] = []
+    real = runner.replay
+
+    def spy(model, layout, requests, token_map, policy, root, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((policy, len(requests), kwargs["repeat"]))
+        return real(model, layout, requests, token_map, policy, root, **kwargs)
+
+    monkeypatch.setattr(runner, "replay", spy)
+    params = TraceParams(
+        block_tokens=BT,
+        memory_fraction=20.0,
+        time_scale=1000.0,
+        model="tiny",
+        policies=TWO,
+        repeats=2,
+        warmup=2,
+    )
+    result = run(params, model=tiny, requests=TRACE, work=tmp_path, show_progress=False)
+    # two warm-up requests under each policy, then the slice twice, the second time LRU first
+    n = len(TRACE)
+    warmup = [(KVSTRATA, 2, 0), (PLAIN_LRU, 2, 0)]
+    assert calls == [*warmup, (KVSTRATA, n, 0), (PLAIN_LRU, n, 0), (PLAIN_LRU, n, 1), (KVSTRATA, n, 1)]
+    hits, _, _ = ideal_hits(TRACE)
+    for summary in result.data["policies"]:
+        # every replay starts on a fresh store (the warm-up's thrown away): the hits twice over
+        assert summary["requests"] == 2 * n and summary["hit_blocks"] == 2 * hits, summary["policy"]
+    assert [r["repeat"] for r in result.data["requests"][KVSTRATA]] == [0] * n + [1] * n
+    assert [r["hit_blocks"] for r in result.data["requests"][KVSTRATA]] == [0, 1, 3, 4, 2] * 2
+    assert [sorted(repeat) for repeat in result.data["repeats"]] == [sorted(TWO)] * 2
+    assert any(note.startswith(f"{KVSTRATA}, each replay against") for note in result.tables[0].notes)
+    assert not [*tmp_path.glob("store-*"), *tmp_path.glob("warmup-*")]  # one store on disk at a time
 
 
 def bounded_replay(tiny: LoadedModel, tmp_path: Path) -> dict[str, dict[str, object]]:

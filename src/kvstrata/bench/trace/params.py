@@ -35,9 +35,16 @@ class TraceParams:
     model: str | None = None
     tiny: TinyShape = field(default_factory=TinyShape)
     policies: tuple[str, ...] = (KVSTRATA, KVSTRATA_EXACT_L1, PLAIN_LRU)
+    repeats: int = 1
+    """Replays of the slice per policy, the policies' order rotated each time (the first replay of a
+    process is not the one that runs first); the percentiles are over every repeat's requests."""
+    warmup: int = 30
+    """Requests of the slice replayed once under each policy, untimed, on a throwaway store, before
+    the measured replays: the engine's first requests of each prompt shape build its kernels."""
 
     def __post_init__(self) -> None:
         check_positive(
+            repeats=self.repeats,
             window=self.window,
             sample_every=self.sample_every,
             max_blocks=self.max_blocks,
@@ -45,6 +52,8 @@ class TraceParams:
             time_scale=self.time_scale,
             memory_fraction=self.memory_fraction,
         )
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be 0 or more requests, got {self.warmup}")
         if self.l3_budget is not None:
             check_positive(l3_budget=self.l3_budget)
         if not 0.0 < self.l1_share < 1.0:
@@ -64,6 +73,7 @@ class Replayed:
     prefill_tokens: int
     ttft_ms: float
     lag_s: float
+    repeat: int = 0
 
 
 @dataclass(slots=True)
@@ -85,6 +95,25 @@ class PolicyRun:
     @property
     def blocks(self) -> int:
         return sum(r.blocks for r in self.requests) + self.failed_blocks
+
+    @classmethod
+    def merged(cls, repeats: list[PolicyRun]) -> PolicyRun:
+        """One policy's repeats as one run: every request, the counts added up, the mean wall time,
+        the peaks' maximum, and what the last repeat's store held at its end."""
+        if len(repeats) == 1:
+            return repeats[0]
+        last = repeats[-1]
+        return cls(
+            last.policy,
+            [request for run in repeats for request in run.requests],
+            sum(run.wall_s for run in repeats) / len(repeats),
+            {tier: max(run.peak_bytes[tier] for run in repeats) for tier in last.peak_bytes},
+            last.final_bytes,
+            last.bytes_by_codec,
+            _added([run.writes for run in repeats]),
+            _added([run.sessions for run in repeats]),
+            sum(run.failed_blocks for run in repeats),
+        )
 
     @property
     def hit_blocks(self) -> int:
@@ -123,3 +152,15 @@ class PolicyRun:
             "writes": self.writes,
             "sessions": self.sessions,
         }
+
+
+def _added(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts added up over the repeats; anything else (a first error, a budget) the first set one."""
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for key, value in d.items():
+            if isinstance(value, int) and not isinstance(value, bool) and key != "l3_budget_bytes":
+                out[key] = out.get(key, 0) + value
+            elif out.get(key) is None:
+                out[key] = value
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.bench.common.measure import fmt_ms, mib
+from kvstrata.bench.common.measure import fmt_ms, mib, ratio
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.trace.params import PLAIN_LRU, TIERS, PolicyRun, TraceParams
 
@@ -15,9 +15,17 @@ if TYPE_CHECKING:
 
 
 def result(
-    params: TraceParams, model: LoadedModel, layout: KVLayout, info: dict[str, Any], runs: list[PolicyRun]
+    params: TraceParams,
+    model: LoadedModel,
+    layout: KVLayout,
+    info: dict[str, Any],
+    runs: list[PolicyRun],
+    repeats: list[list[PolicyRun]] | None = None,
 ) -> BenchResult:
+    """``runs``: each policy's repeats merged (:meth:`PolicyRun.merged`); ``repeats``: each repeat's
+    runs, in the policies' order."""
     bt = params.block_tokens
+    repeats = repeats or [runs]
     ideal = info["ideal_hit_ratio"]
     data = {
         "model": model.name,
@@ -25,6 +33,7 @@ def result(
         "slice": info,
         "policies": [r.summary(bt) for r in runs],
         "requests": {r.policy: [asdict(x) for x in r.requests] for r in runs},
+        "repeats": [{r.policy: {"p50_ms": r.ttft(50), "p99_ms": r.ttft(99)} for r in rep} for rep in repeats],
     }
     hits = BenchTable(
         f"Trace replay: {info['requests']} requests, {info['blocks']} blocks "
@@ -81,12 +90,17 @@ def result(
         f"Each 512-token trace block = {bt} tokens (partial last blocks rounded up), prompts cut to "
         f"{params.max_blocks} blocks, every {params.sample_every}th conversation of the first "
         f"{params.window} requests; +1 final token per prompt.",
+        f"{len(repeats)} replay(s) of the slice per policy, the order rotated each time, after "
+        f"{min(params.warmup, info['requests'])} untimed requests under each; percentiles over every "
+        "replay's requests.",
         f"Trace time / {params.time_scale:g}: {info['span_s']:.0f} s of trace -> "
         f"{info['scaled_span_s']:.1f} s; "
         + ", ".join(f"{r.policy}: {r.summary(bt)['late_requests']} late" for r in runs)
         + " (TTFT excludes the wait).",
     ]
     hits.notes += _against_plain_lru(runs, bt)
+    if len(repeats) > 1:
+        hits.notes += _per_repeat(repeats)
     volumes = BenchTable(
         "Bytes per tier (MiB): peak during the replay / at the end; codecs at the end",
         ["policy", "L1 peak", "L2 peak", "L3 end", "L1 by codec", "L2 by codec", "L3 by codec", "wall s"],
@@ -155,6 +169,21 @@ def _against_plain_lru(runs: list[PolicyRun], bt: int) -> list[str]:
             f"{r.policy} against {PLAIN_LRU}: TTFT P50 {p50:.2f}x, P99 {p99:.2f}x (goal <= 1.00x); memory "
             f"hits {s['memory_hit_ratio']:.1%} against {plain['memory_hit_ratio']:.1%}; L3 {l3:.1f}x smaller"
         )
+    return lines
+
+
+def _per_repeat(repeats: list[list[PolicyRun]]) -> list[str]:
+    """Each repeat's P50 and P99 against plain LRU's of the same repeat: how much they vary."""
+    lines = []
+    for n, policy in enumerate(r.policy for r in repeats[0]):
+        if policy == PLAIN_LRU or not any(r.policy == PLAIN_LRU for r in repeats[0]):
+            continue
+        ratios = []
+        for repeat in repeats:
+            plain = next(r for r in repeat if r.policy == PLAIN_LRU)
+            p50, p99 = ratio(repeat[n].ttft(50), plain.ttft(50)), ratio(repeat[n].ttft(99), plain.ttft(99))
+            ratios.append(f"{p50:.2f}x / {p99:.2f}x")
+        lines.append(f"{policy}, each replay against plain LRU's (P50 / P99): " + ", ".join(ratios))
     return lines
 
 

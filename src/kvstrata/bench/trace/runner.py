@@ -31,6 +31,7 @@ passed runs at once (the CPU is slower than the trace), and its TTFT excludes th
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from kvstrata.bench.common.command import (
     progress_bar,
     show,
 )
+from kvstrata.bench.common.measure import rotate
 from kvstrata.bench.common.models import load_bench_model
 from kvstrata.bench.common.result import BenchResult
 from kvstrata.bench.common.stores import tier_bytes, workdir
@@ -123,6 +125,8 @@ def replay(
     budgets: Budgets,
     time_scale: float,
     progress: Progress | None = None,
+    repeat: int = 0,
+    label: str | None = None,
 ) -> PolicyRun:
     """Replay ``requests`` through an engine on a fresh store at ``root`` under ``policy``."""
     from kvstrata import KVStore
@@ -138,7 +142,7 @@ def replay(
     failed: list[str] = []
     failed_blocks = 0
     kept: list[str] = []
-    task = progress.add_task(policy, total=len(requests)) if progress is not None else None
+    task = progress.add_task(label or policy, total=len(requests)) if progress is not None else None
     t0_ms = requests[0].timestamp_ms
     with KVStore(root, layout, model_fingerprint=model.fingerprint, config=config) as store:
         engine = Engine(model, store)
@@ -178,6 +182,7 @@ def replay(
                             reply.prefill_tokens,
                             reply.ttft_ms,
                             lag,
+                            repeat,
                         )
                     )
                 for tier, n in tier_bytes(store).items():
@@ -267,22 +272,31 @@ def run(
         l3 = max(1, int(unique_bytes * params.l3_budget)) if params.l3_budget is not None else None
         budgets = Budgets(l1, memory - l1, l3)
         load_natives()  # no request timed on a torch path while a native helper loads
-        runs = []
+        repeats: list[list[PolicyRun]] = []
         with progress_bar(show_progress) as progress:
-            for n, policy in enumerate(params.policies):
-                runs.append(
-                    replay(
-                        model,
-                        layout,
-                        requests,
-                        token_map,
-                        policy,
-                        root / f"store-{n}",
-                        budgets=budgets,
-                        time_scale=params.time_scale,
-                        progress=progress,
-                    )
-                )
+
+            def replay_in(
+                store: Path, slice_: list[TraceRequest], policy: str, repeat: int, label: str
+            ) -> PolicyRun:
+                try:
+                    return replay(
+                        model, layout, slice_, token_map, policy, store, budgets=budgets,
+                        time_scale=params.time_scale, progress=progress, repeat=repeat, label=label,
+                    )  # fmt: skip
+                finally:
+                    shutil.rmtree(store, ignore_errors=True)  # one store on disk at a time
+
+            warm = requests[: params.warmup]
+            for n, policy in enumerate(params.policies if warm else ()):
+                replay_in(root / f"warmup-{n}", warm, policy, 0, f"warm-up: {policy}")
+            for repeat in range(params.repeats):
+                suffix = f" (repeat {repeat + 1})" if params.repeats > 1 else ""
+                runs: dict[str, PolicyRun] = {}
+                for policy in rotate(params.policies, repeat):
+                    store = root / f"store-{repeat}-{params.policies.index(policy)}"
+                    runs[policy] = replay_in(store, requests, policy, repeat, policy + suffix)
+                repeats.append([runs[policy] for policy in params.policies])
+        merged = [PolicyRun.merged([r[n] for r in repeats]) for n in range(len(params.policies))]
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3
     slice_info = {
         "trace": str(trace_path),
@@ -301,7 +315,7 @@ def run(
         "l2_budget_bytes": memory - l1,
         "l3_budget_bytes": l3,
     }
-    return result(params, model, layout, slice_info, runs)
+    return result(params, model, layout, slice_info, merged, repeats)
 
 
 def command(
@@ -324,6 +338,12 @@ def command(
         typer.Option(help="L3 (disk) budget as a fraction of the unique KV, e.g. 0.5 (default: none)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the hash id -> token ids map.")] = 0,
+    repeats: Annotated[
+        int, typer.Option(help="Replays of the slice per policy, the order rotated each time.")
+    ] = 1,
+    warmup: Annotated[
+        int, typer.Option(help="Requests replayed untimed under each policy first (0: none).")
+    ] = 30,
     model: ModelOption = None,
     workdir_: WorkdirOption = None,
     json_out: JsonOutOption = False,
@@ -344,6 +364,8 @@ def command(
             l3_budget=l3_budget,
             seed=seed,
             model=model,
+            repeats=repeats,
+            warmup=warmup,
         )
         result_ = run(params, work=workdir_)
     show(result_, json_out=json_out, plot=plot)
