@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.bench.common.measure import fmt_ms, mib, ratio
+from kvstrata.bench.common.measure import fmt_ms, mib, percentile, ratio
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.trace.params import PLAIN_LRU, TIERS, PolicyRun, TraceParams
 
@@ -99,8 +99,7 @@ def result(
         + " (TTFT excludes the wait).",
     ]
     hits.notes += _against_plain_lru(runs, bt)
-    if len(repeats) > 1:
-        hits.notes += _per_repeat(repeats)
+    hits.notes += _per_repeat(repeats)
     volumes = BenchTable(
         "Bytes per tier (MiB): peak during the replay / at the end; codecs at the end",
         ["policy", "L1 peak", "L2 peak", "L3 end", "L1 by codec", "L2 by codec", "L3 by codec", "wall s"],
@@ -173,17 +172,28 @@ def _against_plain_lru(runs: list[PolicyRun], bt: int) -> list[str]:
 
 
 def _per_repeat(repeats: list[list[PolicyRun]]) -> list[str]:
-    """Each repeat's P50 and P99 against plain LRU's of the same repeat: how much they vary."""
+    """Each kvstrata policy against plain LRU in the same replays: each replay's P50 and P99 ratio
+    (how much a replay varies), and request by request (the same request of the same repeat, so
+    the machine's drift between replays cancels): the median difference and the share faster."""
     lines = []
     for n, policy in enumerate(r.policy for r in repeats[0]):
         if policy == PLAIN_LRU or not any(r.policy == PLAIN_LRU for r in repeats[0]):
             continue
-        ratios = []
+        ratios, differences = [], []
         for repeat in repeats:
             plain = next(r for r in repeat if r.policy == PLAIN_LRU)
             p50, p99 = ratio(repeat[n].ttft(50), plain.ttft(50)), ratio(repeat[n].ttft(99), plain.ttft(99))
             ratios.append(f"{p50:.2f}x / {p99:.2f}x")
-        lines.append(f"{policy}, each replay against plain LRU's (P50 / P99): " + ", ".join(ratios))
+            theirs = {r.index: r.ttft_ms for r in plain.requests}
+            differences += [r.ttft_ms - theirs[r.index] for r in repeat[n].requests if r.index in theirs]
+        line = f"{policy}, each replay against plain LRU's (P50 / P99): " + ", ".join(ratios)
+        if differences:
+            faster = sum(1 for d in differences if d < 0) / len(differences)
+            line += (
+                f"; request by request: median difference {percentile(differences, 50):+.2f} ms, "
+                f"faster in {faster:.0%} of {len(differences)}"
+            )
+        lines.append(line)
     return lines
 
 
