@@ -119,6 +119,8 @@ def test_cli_rejects_bad_counts() -> None:
     result = CliRunner().invoke(app, ["bench", "agents", "--agents", "4,x"])
     assert result.exit_code == 1
     assert "--agents: 'x' is not an integer" in result.output
+    result = CliRunner().invoke(app, ["bench", "agents", "--pool", "--repeats", "0"])
+    assert result.exit_code == 1 and "--repeats must be positive" in result.output
 
 
 def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_path: Path) -> None:
@@ -130,7 +132,7 @@ def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_pat
 
     args = ["bench", "agents", "--pool", "--model", "tiny", "--agents", "2", "--duration", "10"]
     args += ["--budget-buffers", "4", "--buffer-tokens", "600", "--system-chars", "100"]
-    args += ["--max-new-tokens", "2", "--json"]
+    args += ["--max-new-tokens", "2", "--no-warmup", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)["data"]
@@ -147,3 +149,40 @@ def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_pat
     assert verdict["agents"] == 2 and verdict["hot_p99_vs_alone"] > 0
     assert verdict["budget_binds"] == (exact["resident_mean"] < 2)  # no 2x to show when all fit exact
     assert isinstance(verdict["met"], bool)
+
+
+def test_pool_repeats_rotate_the_systems_after_an_untimed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--repeats``: each system runs once per repeat, the order rotated, after one untimed run
+    (the fewest agents, encoded L1); each system's repeats are one row: every turn, the steady
+    residency of each repeat."""
+    from kvstrata.bench.agents import pool
+    from kvstrata.bench.agents.workload import HOT, AgentsParams, RunStats, Turn
+
+    calls: list[tuple[str, int, float, str]] = []
+
+    def fake_run(model, params, n, root, progress, *, system, ladder, hot_only=False):  # type: ignore[no-untyped-def]
+        calls.append((system, n, params.duration_s, root.name))
+        root.mkdir(parents=True)
+        ttft = 100.0 * len(calls)
+        turn = Turn(f"agent-{n}", HOT, 1, 0.0, 10, 0, 10, ttft, ttft, 1, {})
+        stats = RunStats(system, n, n, 0, 0, 1, 2.0, 10, 1, 10, {"L1": len(calls)}, 100, [turn])
+        return pool.WallRun(system, stats, [len(calls)] * 4, {"identity": 1})
+
+    monkeypatch.setattr(pool, "run_wall", fake_run)
+    monkeypatch.setattr(pool, "load_natives", lambda: None)
+    params = AgentsParams(agents=(4, 2), duration_s=12.0, repeats=2)
+    runs = pool.run_pool(None, params, tmp_path, None)  # type: ignore[arg-type]
+    systems = [c[0] for c in calls]
+    assert calls[0] == ("warm-up (untimed)", 2, 10.0, "warmup")
+    assert systems[1:] == [pool.ENCODED, pool.EXACT, pool.ALONE, pool.EXACT, pool.ALONE, pool.ENCODED] * 2
+    assert [c[1] for c in calls[1:]] == [2] * 6 + [4] * 6
+    assert not list(tmp_path.iterdir())  # each store removed after its run
+    encoded, exact, alone = runs[0]
+    assert [t.ttft_ms for t in encoded.stats.turns] == [200.0, 700.0]  # calls 2 and 7: both repeats
+    assert [t.ttft_ms for t in exact.stats.turns] == [300.0, 500.0]
+    assert [t.ttft_ms for t in alone.stats.turns] == [400.0, 600.0]
+    assert encoded.stats.requests == 2 and encoded.stats.wall_s == 2.0
+    assert encoded.steady == [2, 2, 7, 7] and encoded.summary()["resident_max"] == 7
+    assert [r.system for r in runs[1]] == [pool.ENCODED, pool.EXACT, pool.ALONE]

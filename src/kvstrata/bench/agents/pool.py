@@ -22,6 +22,8 @@ resident that exact L1 keeps, hot P99 within ``--p99-limit`` of the hot agents a
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import statistics
 import threading
 import time
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench.agents.workload import (
     BACKGROUND,
+    BACKGROUND_PERIOD_S,
     CLASS_PRIORITY,
     HOT,
     AgentsParams,
@@ -41,7 +44,7 @@ from kvstrata.bench.agents.workload import (
     system_message,
     user_message,
 )
-from kvstrata.bench.common.measure import fmt_ms, mib
+from kvstrata.bench.common.measure import fmt_ms, mib, rotate
 from kvstrata.bench.common.result import BenchResult, BenchTable
 from kvstrata.bench.pool.natives import load_natives
 
@@ -77,10 +80,13 @@ class WallRun:
     """Agents whose every block was in L1, one sample every ``SAMPLE_S`` seconds."""
     l1_by_codec: dict[str, int] = field(default_factory=dict)
     """L1 blocks per codec at the end of the run."""
+    steady: list[int] | None = None
+    """The samples of the steady state: the second half of ``resident`` (the first fills device
+    memory), or of each repeat's (:meth:`merged`)."""
 
     def summary(self) -> dict[str, Any]:
-        # the steady state: the second half of the samples (the first fills device memory)
-        late = self.resident[len(self.resident) // 2 :] or [0]
+        late = self.steady if self.steady is not None else self.resident[len(self.resident) // 2 :]
+        late = late or [0]
         return {
             "system": self.system,
             **self.stats.summary(),
@@ -89,6 +95,16 @@ class WallRun:
             "resident_samples": len(self.resident),
             "l1_blocks_by_codec": self.l1_by_codec,
         }
+
+    @classmethod
+    def merged(cls, runs: list[WallRun]) -> WallRun:
+        """One system's repeats as one run (the L1 codecs: the last repeat's at its end)."""
+        if len(runs) == 1:
+            return runs[0]
+        steady = [x for r in runs for x in r.resident[len(r.resident) // 2 :]]
+        resident = [x for r in runs for x in r.resident]
+        stats = RunStats.merged([r.stats for r in runs])
+        return cls(runs[0].system, stats, resident, runs[-1].l1_by_codec, steady)
 
 
 def run_wall(
@@ -198,17 +214,39 @@ def run_wall(
 def run_pool(
     model: LoadedModel, params: AgentsParams, root: Path, progress: Progress
 ) -> list[tuple[WallRun, WallRun, WallRun]]:
-    """Per agent count: (encoded L1, exact L1, the hot agents alone with encoded L1)."""
+    """Per agent count: (encoded L1, exact L1, the hot agents alone with encoded L1), each the
+    ``params.repeats`` runs of it merged, their order rotated each repeat, after an untimed run."""
     from kvstrata.policy.ladder import CodecLadder
 
     load_natives()  # no request timed on a torch path while a native helper loads
     kinds = [(ENCODED, CodecLadder(), False), (EXACT, exact_l1_ladder(), False), (ALONE, CodecLadder(), True)]
-    out = []
-    for n in sorted(set(params.agents)):
-        encoded, exact, alone = (
-            run_wall(model, params, n, root / f"{i}-{n}", progress, system=name, ladder=ladder, hot_only=hot)
-            for i, (name, ladder, hot) in enumerate(kinds)
+    counts = sorted(set(params.agents))
+    if params.warmup:
+        warm = dataclasses.replace(params, duration_s=BACKGROUND_PERIOD_S)
+        run_wall(
+            model,
+            warm,
+            counts[0],
+            root / "warmup",
+            progress,
+            system="warm-up (untimed)",
+            ladder=CodecLadder(),
         )
+        shutil.rmtree(root / "warmup", ignore_errors=True)
+    out = []
+    for n in counts:
+        repeats: list[dict[int, WallRun]] = []
+        for repeat in range(params.repeats):
+            runs: dict[int, WallRun] = {}
+            for i in rotate(range(len(kinds)), repeat):
+                name, ladder, hot = kinds[i]
+                store = root / f"{i}-{n}-{repeat}"
+                runs[i] = run_wall(
+                    model, params, n, store, progress, system=name, ladder=ladder, hot_only=hot
+                )
+                shutil.rmtree(store, ignore_errors=True)  # one store on disk at a time
+            repeats.append(runs)
+        encoded, exact, alone = (WallRun.merged([runs[i] for runs in repeats]) for i in range(len(kinds)))
         out.append((encoded, exact, alone))
     return out
 
@@ -274,8 +312,11 @@ def pool_result(
             f"(goal <= {params.p99_limit:g}x)"
         )
     table.notes.append(
+        f"{params.repeats} run(s) of each system per agent count, the order rotated each time"
+        + (", after an untimed run" if params.warmup else "")
+        + "; percentiles over every run's turns. "
         "Resident: agents whose every block is in L1, sampled every 50 ms, mean over the second half of "
-        "the run. Each agent sends its turns at their wall-clock times and waits for each reply; TTFT "
+        "each run. Each agent sends its turns at their wall-clock times and waits for each reply; TTFT "
         "counts the wait in the engine's queue."
     )
     data = {

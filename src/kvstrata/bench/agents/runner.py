@@ -318,6 +318,12 @@ def command(
             "reference (issue 33), instead of the simulated-clock sweep against fixed buffers.",
         ),
     ] = False,
+    repeats: Annotated[
+        int, typer.Option(help="--pool: runs of each system per agent count, the order rotated each time.")
+    ] = 1,
+    warmup: Annotated[
+        bool, typer.Option("--warmup/--no-warmup", help="--pool: an untimed run before the measured ones.")
+    ] = True,
     model: ModelOption = None,
     workdir_: WorkdirOption = None,
     json_out: JsonOutOption = False,
@@ -337,6 +343,8 @@ def command(
             max_new_tokens=max_new_tokens,
             p99_limit=p99_limit,
             model=model,
+            repeats=repeats,
+            warmup=warmup,
         )
         result = run(params, work=workdir_, pool=pool)
     show(result, json_out=json_out, plot=plot)

@@ -43,6 +43,12 @@ class AgentsParams:
     p99_limit: float = 1.1
     model: str | None = None
     tiny: TinyShape = field(default_factory=TinyShape)
+    repeats: int = 1
+    """``--pool``: runs of each system per agent count, their order rotated each time (the
+    percentiles are over every repeat's turns)."""
+    warmup: bool = True
+    """``--pool``: an untimed run first (the fewest agents, encoded L1, ``BACKGROUND_PERIOD_S``):
+    a process's first requests of each shape build the engine's kernels."""
 
     def __post_init__(self) -> None:
         if not self.agents or any(n < 1 for n in self.agents):
@@ -57,6 +63,7 @@ class AgentsParams:
             max_new_tokens=self.max_new_tokens,
             p99_limit=self.p99_limit,
             l1_resident_sessions=self.l1_resident_sessions,
+            repeats=self.repeats,
         )
         if self.duration_s < BACKGROUND_PERIOD_S:
             raise ConfigError(
@@ -129,6 +136,22 @@ class RunStats:
                 by_tier[tier] = by_tier.get(tier, 0) + n
         out["cached_tokens_by_tier"] = by_tier
         return out
+
+    @classmethod
+    def merged(cls, runs: list[RunStats]) -> RunStats:
+        """One system's repeats as one: every turn, the counts added up, the mean wall time."""
+        if len(runs) == 1:
+            return runs[0]
+        first = runs[0]
+        return cls(
+            first.system, first.agents, first.served,
+            sum(r.refused_agents for r in runs), sum(r.refused_requests for r in runs),
+            sum(r.requests for r in runs), sum(r.wall_s for r in runs) / len(runs),
+            sum(r.prompt_tokens for r in runs), sum(r.completion_tokens for r in runs),
+            sum(r.prefill_tokens for r in runs),
+            {tier: max(r.peak_bytes.get(tier, 0) for r in runs) for tier in first.peak_bytes},
+            first.budget_bytes, [t for r in runs for t in r.turns],
+        )  # fmt: skip
 
 
 # -- the workload ------------------------------------------------------------------------------------
