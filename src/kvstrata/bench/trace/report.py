@@ -173,8 +173,9 @@ def _against_plain_lru(runs: list[PolicyRun], bt: int) -> list[str]:
 
 def _per_repeat(repeats: list[list[PolicyRun]]) -> list[str]:
     """Each kvstrata policy against plain LRU in the same replays: each replay's P50 and P99 ratio
-    (how much a replay varies), and request by request (the same request of the same repeat, so
-    the machine's drift between replays cancels): the median difference and the share faster."""
+    (how much a replay varies), and request by request (each request against itself in the same
+    repeat: the mix of request sizes cancels out, the machine's drift between replays does not):
+    the median difference and the share faster."""
     lines = []
     for n, policy in enumerate(r.policy for r in repeats[0]):
         if policy == PLAIN_LRU or not any(r.policy == PLAIN_LRU for r in repeats[0]):
