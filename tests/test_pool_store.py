@@ -243,3 +243,66 @@ def test_a_slot_made_in_inference_mode_takes_a_block_outside_it(open_store: Fact
     assert l1.codec_of(second.key) == CodecId.INT8S
     want = second.decoded(FP32)
     assert torch.equal(l1.get(second.key).decoded(FP32), want)  # type: ignore[union-attr]
+
+
+def test_attach_extends_a_session_by_stored_blocks_without_their_kv(open_store: Factory) -> None:
+    """``store.attach``: a session takes over whole blocks the store holds (a shared prefix whose
+    pages a restore kept encoded: there is no KV to append); it refuses, changing nothing, where it
+    cannot: the session ends in a partial block, the tokens are not whole blocks, a block is gone."""
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
+    _fill(store, "interactive", sessions=1, blocks=4, layout=FP32)
+    owner = store.session("interactive-0")
+    tokens = [i % 997 for i in range(256)]
+    taker = store.create_session("taker", priority="interactive")
+    assert store.attach(taker, tokens[:192])
+    assert taker.block_keys == owner.block_keys[:3] and taker.token_ids == tokens[:192]
+    assert taker.tail_key is None
+    cache = cache_for(store, taker)  # its blocks are the owner's int8s pages, attended where they lie
+    assert cache.pages is not None and cache.pages.tokens == 192
+    want = token_kv(FP32, tokens[:192])
+    assert (cache.new_kv(0, 192) - want).abs().max() < 0.05
+    store.checkpoint(taker)  # its row names the blocks: they are durable and pinned by it
+    assert store.delete_session("interactive-0")
+    assert store.load(store.session("taker")).num_tokens == 192
+
+    def refused(session_id: str, attempt: list[int]) -> None:
+        session = store.session(session_id)
+        before = (list(session.block_keys), list(session.token_ids), session.tail_key)
+        assert not store.attach(session, attempt)
+        assert (session.block_keys, session.token_ids, session.tail_key) == before
+
+    refused("taker", [1, 2, 3])  # not whole blocks
+    refused("taker", [(7 * i) % 991 for i in range(64)])  # a block stored nowhere
+    tailed = store.create_session("tailed", priority="interactive")
+    store.append(tailed, tokens[:10], token_kv(FP32, tokens[:10]))
+    refused("tailed", tokens[10:74])  # it ends in a partial block
+
+
+def test_a_new_session_on_a_shared_prefix_keeps_its_pages_and_copies_no_kv(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stateless request (a new session) whose prompt starts with blocks another session stored:
+    the engine's prefix loader restores device memory's int8s blocks as pages (attended where they
+    lie, not decoded) and attaches the blocks to the session with no KV copied; where attaching
+    fails (a block went meanwhile), they are decoded and appended as before."""
+    from kvstrata.engine.prefix import PrefixLoader
+
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
+    _fill(store, "interactive", sessions=1, blocks=4, layout=FP32)
+    prompt = [i % 997 for i in range(256)] + [5, 6, 7]
+    appended: list[int] = []
+    real_append = store.append
+    monkeypatch.setattr(store, "append", lambda s, t, kv: appended.append(len(t)) or real_append(s, t, kv))
+    session = store.create_session("stateless", priority="interactive", transient=True)
+    prefix = PrefixLoader(store).load(session, prompt, 300, None)
+    assert prefix.num_tokens == session.num_tokens == 256
+    assert prefix.source is not None and prefix.source.pages is not None
+    assert prefix.source.pages.tokens == 192 and prefix.kv is not None and prefix.kv.shape[3] == 64
+    assert prefix.by_tier["L1"] == 256 and appended == []
+    assert session.block_keys == store.session("interactive-0").block_keys
+    monkeypatch.setattr(store, "attach", lambda session, token_ids: False)
+    other = store.create_session("other", priority="interactive", transient=True)
+    prefix = PrefixLoader(store).load(other, prompt, 300, None)
+    assert prefix.source is not None and prefix.source.pages is None and appended == [256]
+    assert prefix.num_tokens == other.num_tokens == 256
+    assert torch.equal(prefix.kv[:, :, :, 192:], token_kv(FP32, prompt[:256])[:, :, :, 192:])

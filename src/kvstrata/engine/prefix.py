@@ -3,7 +3,9 @@
 The session's own tokens where they are a prefix of the new ones (an edited history truncates
 the session to the common part, so stale KV is never attended to), or the namespace's shared full
 blocks (a system prompt another session wrote), whichever is longer; at least one token is always
-left to compute so that there are logits. With a lossy memory mode, only the kept blocks of a
+left to compute so that there are logits. Blocks device memory holds encoded stay encoded either way
+(pages the request attends where they lie); shared blocks join the session by key, their KV not
+copied (``KVStore.attach``). With a lossy memory mode, only the kept blocks of a
 long history (:meth:`PrefixLoader.find_pruned`). A lost or corrupt block truncates the session
 there and the rest is recomputed (``reasons`` says so).
 
@@ -20,6 +22,7 @@ import torch
 
 from kvstrata.errors import ConfigError, TierUnavailableError
 from kvstrata.integrations.transformers.cache import KVStrataCache
+from kvstrata.keys import BlockKey
 from kvstrata.policy.memory import MemoryMode, MemoryModeKind
 from kvstrata.store import KVStore, LoadedKV
 from kvstrata.store.sessions import Session
@@ -146,18 +149,10 @@ class PrefixLoader:
             shared_keys = store.match_prefix(session.namespace, prompt_ids[:usable])
             if len(shared_keys) * bt > best.num_tokens:
                 # (the spare buffer, if any, may hold the session's own KV by now)
-                shared = store.load_blocks(
-                    shared_keys,
-                    len(shared_keys) * bt,
-                    priority=session.priority,
-                    capacity=capacity,
-                    out=spare if own.buffer is not spare else None,
+                shared = self._load_shared(
+                    session, prompt_ids, shared_keys, capacity, spare if own.buffer is not spare else None
                 )
-                if shared.kv is not None and shared.num_tokens > best.num_tokens:
-                    # Content-addressed keys: the session's own blocks are the first shared ones,
-                    # so the shared KV extends what the session holds.
-                    extra = prompt_ids[session.num_tokens : shared.num_tokens]
-                    store.append(session, extra, shared.kv[:, :, :, session.num_tokens : shared.num_tokens])
+                if shared is not None:
                     best = Prefix(
                         shared.kv,
                         shared.num_tokens,
@@ -168,6 +163,37 @@ class PrefixLoader:
                     )
         assert session.token_ids == prompt_ids[: best.num_tokens]
         return best
+
+    def _load_shared(
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        keys: list[BlockKey],
+        capacity: int,
+        spare: torch.Tensor | None,
+    ) -> LoadedKV | None:
+        """The namespace's shared blocks ``keys`` loaded, and the session extended by them (keys
+        are content-addressed: the session's own blocks are the first shared ones). Where the
+        session ends on a block boundary (a new session always does), device memory's pages are
+        kept as they are and the blocks attached to the session with no KV copied; else, or where
+        a block went meanwhile, the blocks are decoded and appended. None: they hold no more than
+        the session does."""
+        store = self.store
+        want = len(keys) * store.layout.block_tokens
+        for paged in [True, False] if session.tail_key is None else [False]:
+            shared = store.load_blocks(
+                keys, want, priority=session.priority, capacity=capacity, out=spare, paged=paged
+            )
+            if shared.kv is None or shared.num_tokens <= session.num_tokens:
+                return None
+            extra = prompt_ids[session.num_tokens : shared.num_tokens]
+            if shared.pages is None:
+                store.append(session, extra, shared.kv[:, :, :, session.num_tokens : shared.num_tokens])
+                return shared
+            if store.attach(session, extra):
+                return shared
+            spare = None  # the paged load's exact part may lie in it
+        return None
 
     def find_pruned(
         self,

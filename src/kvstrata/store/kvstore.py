@@ -269,6 +269,11 @@ class KVStore:
         (:meth:`SessionIO.append`)."""
         self.io.append(session, token_ids, kv)
 
+    def attach(self, session: Session, token_ids: Sequence[int]) -> bool:
+        """Extend ``session`` by whole blocks the store holds already, without their KV (a shared
+        prefix restored as pages); False, nothing changed, where it cannot (:meth:`SessionIO.attach`)."""
+        return self.io.attach(session, token_ids)
+
     def truncate(self, session: Session, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens (for an edited history)."""
         self.io.truncate(session, num_tokens)
@@ -300,11 +305,18 @@ class KVStore:
         priority: Priority | str | None = None,
         capacity: int | None = None,
         out: torch.Tensor | None = None,
+        paged: bool = False,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
-        tensor (:meth:`SessionIO.load_blocks`)."""
+        tensor, or with ``paged`` device memory's encoded blocks as pages (:meth:`SessionIO.load_blocks`)."""
         return self.io.load_blocks(
-            keys, num_tokens, full_blocks=full_blocks, priority=priority, capacity=capacity, out=out
+            keys,
+            num_tokens,
+            full_blocks=full_blocks,
+            priority=priority,
+            capacity=capacity,
+            out=out,
+            paged=paged,
         )
 
     def checkpoint(self, session: Session) -> None:

@@ -12,7 +12,7 @@ Other processes may be writing meanwhile, so:
 - the blocks to delete are chosen and their rows deleted in ONE index transaction that also reads
   every session's block keys: no session can be committed between the choice and the deletion
   naming a block deleted then (a checkpoint committed afterwards checks that its blocks still have
-  rows, and writes back any that went, see ``SessionIO._checkpoint``);
+  rows, and writes back any that went, see ``Checkpoints.write``);
 - blocks and files younger than ``grace_s`` are left alone (a session still being written in
   another process may name them at its next checkpoint);
 - blocks a live process's session uses before its checkpoint names them (a prefix borrowed from

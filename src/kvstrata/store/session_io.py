@@ -23,6 +23,7 @@ from kvstrata.store import staging
 from kvstrata.store.block import KVBlock
 from kvstrata.store.block_stats import BlockStatsTable
 from kvstrata.store.catalog import SessionCatalog
+from kvstrata.store.checkpoints import Checkpoints
 from kvstrata.store.counters import StoreCounters
 from kvstrata.store.placement.pool import DevicePool
 from kvstrata.store.placement.reads import Reads
@@ -47,9 +48,6 @@ class LoadedKV:
     pages: PageArena | None = None
     """With ``paged=True``: the blocks device memory held encoded, their pages copied as they are;
     ``kv`` then holds the other tokens (those no page covers, in order), not all ``num_tokens``."""
-
-
-_CHECKPOINT_ATTEMPTS = 3
 
 
 class SessionIO:
@@ -85,7 +83,7 @@ class SessionIO:
         self._reencoder = reencoder
         self._forget = forget
         self._root_key = root_key
-        self._remote = remote
+        self._checkpoints = Checkpoints(catalog, writes, forget, remote)
         self.checkpoints = 0
         self.checkpoint_seconds = 0.0
 
@@ -111,22 +109,8 @@ class SessionIO:
             kv = torch.cat([tail_kv, kv.to(tail_kv.device)], dim=3)
         pending_tokens = tail_tokens + new_tokens
         old_full = len(session.block_keys)
-        new_full = old_full + len(pending_tokens) // bt
-        window_start = new_full - self._recent_blocks  # full blocks from here stay exact
         start_pos = old_full * bt
-        parent = session.block_keys[-1] if session.block_keys else self._root_key(session.namespace)
-        lineage, lineage_from = session.lineage, session.lineage_from
-        full_keys: list[BlockKey] = []
-        for offset in range(0, len(pending_tokens) - bt + 1, bt):
-            chunk = pending_tokens[offset : offset + bt]
-            parent = chain_key(block_parent(parent, start_pos + offset, bt, lineage, lineage_from), chunk)
-            full_keys.append(parent)
-        offset = len(full_keys) * bt
-        rest = pending_tokens[offset:]
-        tail = None
-        if rest:
-            parent = block_parent(parent, start_pos + offset, len(rest), lineage, lineage_from)
-            tail = chain_key(parent, rest)
+        full_keys, tail = self._chain(session, pending_tokens)
         # one index query for the whole append (one a block took about 0.07 ms: 36 of the 200 ms
         # of a 512-block checkpoint)
         candidates = [*full_keys, *([tail] if tail is not None else [])]  # stored ones: pinned
@@ -134,6 +118,7 @@ class SessionIO:
             candidates, lambda found: self._catalog.pin(session, found), self._forget
         )
         kv = self._block_kv(kv)
+        window_start = old_full + len(full_keys) - self._recent_blocks  # full blocks from here stay exact
         group = max(1, staging.GROUP_BYTES // self.layout.bytes_per_block)
         for first in range(0, len(full_keys), group):
             keys = full_keys[first : first + group]
@@ -147,10 +132,64 @@ class SessionIO:
                 session.block_keys.append(key)
         replaced, session.tail_key = session.tail_key, tail
         if tail is not None:
+            offset = len(full_keys) * bt
             tensor = staging.BUFFERS.copy(kv[:, :, :, offset:])
             self._put_block(tail, start_pos + offset, tensor, session, not session.transient, tail in absent)
         if replaced is not None and replaced != tail:
             self._reencoder.supersede(replaced)
+        self._appended(session, new_tokens, old_full, window_start, graded)
+
+    def attach(self, session: Session, token_ids: Sequence[int]) -> bool:
+        """Extend ``session`` by ``token_ids``, whole blocks whose KV the store holds already (a
+        shared prefix restored as pages: there is no KV to hand over, and none is copied). False,
+        with nothing changed, where that does not hold: the session ends in a partial block,
+        ``token_ids`` are not whole blocks, or a block is stored nowhere (then ``append`` them)."""
+        self._catalog.claim(session)
+        new_tokens = [int(t) for t in token_ids]
+        bt = self.layout.block_tokens
+        if session.tail_key is not None or len(new_tokens) % bt:
+            return False
+        keys, _ = self._chain(session, new_tokens)
+        if not all(self._reads.contains(key) for key in keys):
+            return False
+        graded = self._recall(session)
+        self._writes.absent_else_pinned(keys, lambda found: self._catalog.pin(session, found), self._forget)
+        old_full = len(session.block_keys)
+        window_start = old_full + len(keys) - self._recent_blocks
+        for i, key in enumerate(keys):
+            # what placing a block that is stored already does (MemoryTiers.admit): an access
+            stats = self._stats.touch(key, bt, session.priority, (old_full + i) * bt)
+            stats.recent = stats.recent or (old_full + i >= window_start and not session.transient)
+            stats.namespace = stats.namespace or session.namespace
+            session.block_keys.append(key)
+        self._appended(session, new_tokens, old_full, window_start, graded)
+        return True
+
+    def _chain(self, session: Session, tokens: list[int]) -> tuple[list[BlockKey], BlockKey | None]:
+        """The keys of ``tokens``' full blocks and of their partial tail (None: none), were they
+        to follow the session's full blocks."""
+        bt = self.layout.block_tokens
+        start_pos = len(session.block_keys) * bt
+        parent = session.block_keys[-1] if session.block_keys else self._root_key(session.namespace)
+        lineage, lineage_from = session.lineage, session.lineage_from
+        full_keys: list[BlockKey] = []
+        for offset in range(0, len(tokens) - bt + 1, bt):
+            chunk = tokens[offset : offset + bt]
+            parent = chain_key(block_parent(parent, start_pos + offset, bt, lineage, lineage_from), chunk)
+            full_keys.append(parent)
+        offset = len(full_keys) * bt
+        rest = tokens[offset:]
+        if not rest:
+            return full_keys, None
+        return full_keys, chain_key(
+            block_parent(parent, start_pos + offset, len(rest), lineage, lineage_from), rest
+        )
+
+    def _appended(
+        self, session: Session, new_tokens: list[int], old_full: int, window_start: int, graded: bool
+    ) -> None:
+        """After an append's blocks: grades, the blocks that left the recent window down the
+        ladder, the session's tokens, a checkpoint when one is due."""
         if graded:  # grades first: what the blocks leaving the window become; kept in the session's row
             self._pool.regrade(session.block_keys, window_start)
         session.grades = self._pool.grades(session.block_keys) if graded else None
@@ -348,52 +387,9 @@ class SessionIO:
         self._catalog.claim(session)
         started = time.perf_counter()
         try:
-            self._checkpoint(session)
+            self._checkpoints.write(session)
         finally:
             elapsed = time.perf_counter() - started
             self.checkpoints += 1
             self.checkpoint_seconds += elapsed
             self._counters.checkpointed(elapsed)
-
-    def _checkpoint(self, session: Session) -> None:
-        keys = session.all_keys()
-        for _ in range(_CHECKPOINT_ATTEMPTS):
-            missing = self._writes.make_durable(keys)
-            if missing:
-                raise TierUnavailableError(
-                    f"checkpoint of {session.namespace}/{session.id} failed: {len(missing)} blocks could not "
-                    f"be written to L3 ({self._writes.outage(missing) or 'not found in any tier'}); the "
-                    "previous checkpoint stays valid"
-                )
-            session.version += 1
-            # the commit checks, in its transaction, that every block still has its row: another
-            # process's gc or eviction may have removed one since it was written
-            gone = self._catalog.commit(session, required=keys)
-            if not gone:
-                break
-            session.version -= 1
-            for key in gone:
-                self._forget(BlockKey(key))  # written again from memory next round
-        else:
-            raise TierUnavailableError(
-                f"checkpoint of {session.namespace}/{session.id} failed: its blocks kept being removed by "
-                "another process (gc or eviction); the previous checkpoint stays valid"
-            )
-        session.checkpointed_tokens = session.num_tokens
-        self._catalog.unpin(session)  # its row names its blocks now
-        self._publish(session)
-
-    def _publish(self, session: Session) -> None:
-        """Share the checkpoint through the remote tier: blocks first, then the manifest by
-        compare-and-set. A remote outage only skips this; a conflict raises (the local
-        checkpoint above is kept, so nothing is lost: fork it to keep both histories)."""
-        remote = self._remote
-        if remote is None or not self._writes.publish_remote(session.all_keys()):
-            return
-        version = remote.publish_manifest(
-            session.namespace, session.id, session.to_manifest(), session.remote_version
-        )
-        if version is None:
-            return
-        session.remote_version = version
-        self._catalog.commit(session)
