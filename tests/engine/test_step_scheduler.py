@@ -36,7 +36,12 @@ def rows(plan: StepPlan) -> list[tuple[str, str, int]]:
 
 def test_classes_fill_a_step_in_order_and_decodes_go_before_prefills() -> None:
     budget = StepBudget(
-        max_sequences=3, max_tokens=100, prefill_chunk=10, starvation_steps=50, realtime_prefill_alone=False
+        max_sequences=3,
+        max_tokens=100,
+        prefill_chunk=10,
+        starvation_steps=50,
+        realtime_prefill_alone=False,
+        interactive_prefill_first=False,
     )
     s = Sim(budget)
     s.add("bg", "background", 1)
@@ -60,7 +65,10 @@ def test_classes_fill_a_step_in_order_and_decodes_go_before_prefills() -> None:
 
 
 def test_token_budget_cuts_prefill_chunks_and_skips_what_does_not_fit() -> None:
-    s = Sim(StepBudget(max_sequences=8, max_tokens=12, prefill_chunk=8, starvation_steps=50))
+    budget = StepBudget(
+        max_sequences=8, max_tokens=12, prefill_chunk=8, starvation_steps=50, interactive_prefill_first=False
+    )
+    s = Sim(budget)
     for i in range(3):
         s.add(f"d{i}", "interactive", 1)
     s.run_step()  # three one-token prompts
@@ -75,6 +83,27 @@ def test_token_budget_cuts_prefill_chunks_and_skips_what_does_not_fit() -> None:
         ("q", "prefill", 1),
     ]
     assert s.run_step().tokens == 12
+
+
+def test_background_prefills_wait_while_an_interactive_request_prefills() -> None:
+    """A burst of an interactive and a background prompt: the interactive one prefills first, its
+    first token not behind the background prefill; background decodes go on meanwhile, and a
+    background prompt that starves gets its reserved row."""
+    s = Sim(StepBudget(max_sequences=8, max_tokens=100, prefill_chunk=10, starvation_steps=4))
+    s.add("bgd", "background", 1)
+    s.run_step()  # a background request decoding
+    s.add("int", "interactive", 15)
+    s.add("bg", "background", 5)
+    assert rows(s.run_step()) == [("int", "prefill", 10), ("bgd", "decode", 1)]
+    assert rows(s.run_step()) == [("int", "prefill", 5), ("bgd", "decode", 1)]
+    # the interactive request decodes now: the background prompt runs
+    assert rows(s.run_step()) == [("int", "decode", 1), ("bgd", "decode", 1), ("bg", "prefill", 5)]
+    s.add("long", "interactive", 100)
+    s.add("bg2", "background", 3)
+    plans = [rows(s.run_step()) for _ in range(6)]
+    assert all(("long", "prefill", 10) in plan for plan in plans)
+    waited = [i for i, plan in enumerate(plans) if ("bg2", "prefill", 3) in plan]
+    assert waited == [3]  # starving (four steps since it came): the reserved row
 
 
 def test_a_realtime_arrival_prefills_at_the_next_step_and_background_is_paused_then_resumed() -> None:

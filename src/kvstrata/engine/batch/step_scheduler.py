@@ -22,7 +22,8 @@ tokens, a decode costs one token, a prefill chunk its length):
    a realtime arrival gets its prefill at the next step.
 3. **Interactive**, then 4. **background**: decodes first (they keep their inter-token latency
    steady and cost one token each), then prefills in chunks of at most ``prefill_chunk`` tokens,
-   first in, first served.
+   first in, first served; while an interactive request prefills, background ones do not
+   (``interactive_prefill_first``; the reserved starving row aside).
 
 While a realtime request is live, the rows of the lower classes are held to
 ``realtime_max_sequences`` / ``realtime_max_tokens`` (the realtime rows themselves to the full
@@ -77,6 +78,10 @@ class StepBudget:
     stay as short as its own, but for the one that others share."""
     realtime_prefill_alone: bool = True
     """While a realtime request prefills: no other rows but the reserved starving ones."""
+    interactive_prefill_first: bool = True
+    """While an interactive request prefills, background ones do not (but the reserved starving
+    one): a burst's interactive requests get their first token after their own prefills, not
+    after the background requests' that arrived with them."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -222,6 +227,9 @@ class StepScheduler:
         realtime_prefill = budget.realtime_prefill_alone and any(
             e.priority is Priority.REALTIME and e.phase is Phase.PREFILL for e in live
         )
+        interactive_prefill = budget.interactive_prefill_first and any(
+            e.priority is Priority.INTERACTIVE and e.phase is Phase.PREFILL for e in live
+        )
         starving = sorted(
             (e for e in live if e.priority is not Priority.REALTIME and self._starving(e)),
             key=lambda e: (e.last_run, e.order),
@@ -243,6 +251,13 @@ class StepScheduler:
                 continue
             is_realtime = entry.priority is Priority.REALTIME
             if realtime_prefill and not is_realtime and entry not in reserved:
+                continue
+            if (
+                interactive_prefill
+                and entry.priority is Priority.BACKGROUND
+                and entry.phase is Phase.PREFILL
+                and entry not in reserved
+            ):
                 continue
             room = budget.max_tokens - tokens
             if realtime_live and not is_realtime:
