@@ -150,7 +150,8 @@ class SessionIO:
         if session.tail_key is not None or len(new_tokens) % bt:
             return False
         keys, _ = self._chain(session, new_tokens)
-        if not all(self._reads.contains(key) for key in keys):
+        # one index query for all; only a block L3 lacks is looked for in memory (or queued for L3)
+        if not all(self._reads.contains(key) for key in self._writes.absent_from_disk(keys)):
             return False
         graded = self._recall(session)
         self._writes.absent_else_pinned(keys, lambda found: self._catalog.pin(session, found), self._forget)
