@@ -4,6 +4,7 @@ the same tokens, the figures are consistent, JSON parses, the PNG is written, ba
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +91,34 @@ def test_engine_and_priority_modes_run_the_whole_engine(tiny_model: Path, tmp_pa
     )
     titles = [table.title for table in result.tables]
     assert titles[0].startswith("Engine, batched against batching off") and "realtime" in titles[1]
+
+
+def test_priority_mode_loads_every_background_session_at_once_on_a_slow_disk(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI hung here (600 s): the sessions were stored one by one between the submissions, and where
+    a checkpoint's fsync was slow the first background requests finished their tokens before the
+    last one started, so "all 16 decode" never came. Every session is stored first now, and a
+    request that ends early raises instead of a wait forever."""
+    make = batching_engine.Histories.make
+
+    def slow_make(self: batching_engine.Histories, length: int, priority: str = "interactive") -> str:
+        time.sleep(0.25)  # a busy disk's checkpoint
+        return make(self, length, priority)
+
+    monkeypatch.setattr(batching_engine.Histories, "make", slow_make)
+    result = batching.run(
+        model=tiny_model,
+        sessions=[1],
+        history=(8, 40),
+        steps=4,
+        dtypes=["fp32"],
+        modes=["priority"],
+        repeats=1,
+        progress=False,
+    )
+    (busy,) = result.data["dtypes"]["fp32"]["priority"]["runs"]["loaded"]
+    assert busy["bg_tokens_per_s_before"] > 0
 
 
 def test_cli_json(tiny_model: Path, tmp_path: Path) -> None:

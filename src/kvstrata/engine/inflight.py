@@ -182,6 +182,10 @@ class ResponseStream:
         self.response = self._inflight.future.result(timeout)
         return self.response
 
+    def done(self) -> bool:
+        """Whether the request has ended (finished, cancelled or failed: :meth:`result` says which)."""
+        return self._inflight.future.done()
+
     def cancel(self) -> None:
         """Ask the engine to stop the request at its next step (returns at once; thread-safe)."""
         self._cancel(self._inflight)

@@ -240,15 +240,22 @@ def _loaded_run(
     from kvstrata.priority import Priority
 
     sampling = SamplingParams(max_tokens=bg_tokens, ignore_eos=True)
-    streams = []
-    for length in lengths[:background]:
-        name = histories.make(length, "background")
-        request = GenerationRequest(
-            name, prompt_ids=text[: length + 1], sampling=sampling, priority="background"
+    # every session is stored before the first request starts: a checkpoint's fsync between two
+    # submissions (slow on a busy disk) let the first requests finish before the last started
+    names = [(histories.make(length, "background"), length) for length in lengths[:background]]
+    streams = [
+        engine.stream(
+            GenerationRequest(name, prompt_ids=text[: length + 1], sampling=sampling, priority="background")
         )
-        streams.append(engine.stream(request))
+        for name, length in names
+    ]
     # wait until every background request decodes, then a few steps more
     while engine.batch_stats().running[Priority.BACKGROUND] < background:
+        ended = [stream for stream in streams if stream.done()]
+        if ended:  # a failure raises here; one that finished first would leave the load short forever
+            response = ended[0].result()
+            reason = response.finish_reason
+            raise RuntimeError(f"a background request ended ({reason}) before all {background} ran")
         time.sleep(0.01)
     mark = len(steps)
     while len(steps) < mark + 4:
