@@ -189,7 +189,7 @@ def test_corrupt_block_is_recomputed(tiny: LoadedModel, open_store: Opener) -> N
     expected = recompute(tiny, open_store, messages)
     assert got.token_ids == expected.token_ids
     assert got.cached_tokens == 2 * BLOCK_TOKENS
-    assert got.recomputed_reason is not None and "lost or corrupt" in got.recomputed_reason
+    assert got.recomputed_reason is not None and "lost, corrupt" in got.recomputed_reason
 
 
 def test_complete_stream_and_sampling(tiny: LoadedModel, open_store: Opener) -> None:

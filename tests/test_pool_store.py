@@ -226,6 +226,27 @@ def test_a_session_raised_to_realtime_attends_exact_kv_with_nothing_recomputed(o
     assert store.set_priority(session, "background") == (0, 0)  # lowering changes nothing stored
 
 
+def test_exact_kv_written_for_blocks_held_lossy_replaces_device_memorys_copies(open_store: Factory) -> None:
+    """A realtime session that recomputes a background session's lossy blocks (no exact copy
+    anywhere) writes them exact under the same keys: device memory's lossy copies go with L3's
+    (before, L1 kept its int8s / KIVI-4 copies and only L2 and L3 were replaced)."""
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
+    _fill(store, "background", sessions=1, blocks=4, layout=FP32)
+    keys = store.session("background-0").block_keys
+    l1 = store.tiered.tier(TierLevel.L1)
+    assert [l1.codec_of(k) for k in keys] == [CodecId.INT8S, CodecId.KIVI4, CodecId.KIVI4, 0]
+    tokens = [i % 997 for i in range(256)]
+    realtime = store.create_session("rt", priority="realtime")
+    store.append(realtime, tokens, token_kv(FP32, tokens))
+    store.flush()
+    assert realtime.block_keys == keys  # the same blocks, now exact everywhere
+    assert [l1.codec_of(k) for k in keys] == [CodecId.IDENTITY] * 4
+    assert {store.disk.codec_of(k) for k in keys} == {CodecId.IDENTITY}
+    loaded = store.load(realtime)
+    assert loaded.missing_from_token is None and loaded.tokens_by_tier == {TierLevel.L1: 256}
+    assert torch.equal(loaded.kv, token_kv(FP32, tokens))  # type: ignore[arg-type]
+
+
 def test_a_slot_made_in_inference_mode_takes_a_block_outside_it(open_store: Factory) -> None:
     """Device memory's slots outlive their blocks: one made while the step thread runs in inference
     mode takes the next block of its size put by another thread (the prefetcher) outside it."""

@@ -133,7 +133,8 @@ class PrefixLoader:
         )
         if own.missing_from_token is not None:
             reasons.append(
-                f"a block at token {own.missing_from_token} was lost or corrupt; recomputed from there"
+                f"a block at token {own.missing_from_token} was lost, corrupt or held lossier than the "
+                f"session's class accepts; recomputed from there"
             )
         if own.num_tokens < session.num_tokens:
             self._truncate(session, own.num_tokens, reasons)

@@ -154,9 +154,9 @@ class MemoryTiers:
             if loss is not None:
                 if loss <= self._encodings.max_loss(priority) and not replace:
                     return None
-                # the stored memory copies go (lossy ones, or any with ``replace``); L3's is
-                # replaced in place by the write that follows
-                for tier in self.tiers if replace else self.tiers[1:]:
+                # the stored memory copies go (all lossy, device memory's too, or any with
+                # ``replace``); L3's is replaced in place by the write that follows
+                for tier in self.tiers:
                     tier.remove(block.key)
                 self.counters.reencoded += 1
             placed = self._place(block, 0)
