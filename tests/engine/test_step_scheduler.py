@@ -106,6 +106,30 @@ def test_background_prefills_wait_while_an_interactive_request_prefills() -> Non
     assert waited == [3]  # starving (four steps since it came): the reserved row
 
 
+def test_an_idle_request_runs_only_in_steps_with_nothing_else_and_never_starves() -> None:
+    """Rule 5 (the engine's recompute of an upgraded session): admitted only when nobody else
+    waits for admission, planned only in a step that holds nothing else, paused whenever another
+    request runs however long that takes, and then resumed where it was."""
+    s = Sim(StepBudget(max_sequences=8, max_tokens=100, prefill_chunk=10, starvation_steps=2))
+    s.add("bg", "background", 3)
+    s.prefill["idle"] = 25
+    s.submit("idle", "background", idle=True)
+    assert s.admissions() == ["bg"]  # the idle one waits while another waits for admission
+    assert rows(s.run_step()) == [("bg", "prefill", 3)]
+    assert s.phase("idle") is None
+    for _ in range(6):  # far past starvation_steps: it still waits while "bg" decodes
+        assert rows(s.run_step()) == [("bg", "decode", 1)]
+    assert s.phase("idle") is Phase.PREFILL  # admitted (its KV restored), never run
+    s.finish("bg")
+    assert rows(s.run_step()) == [("idle", "prefill", 10)]  # nothing else: it runs, chunked
+    s.add("rt", "realtime", 4)
+    assert rows(s.run_step()) == [("rt", "prefill", 4)]
+    s.finish("rt")
+    assert rows(s.run_step()) == [("idle", "prefill", 10)]
+    assert rows(s.run_step()) == [("idle", "prefill", 5)]
+    assert rows(s.run_step()) == [("idle", "decode", 1)]
+
+
 def test_a_realtime_arrival_prefills_at_the_next_step_and_background_is_paused_then_resumed() -> None:
     budget = StepBudget(
         max_sequences=4,

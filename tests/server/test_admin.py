@@ -79,6 +79,22 @@ def test_pin_and_unpin_persist(server: LiveServer) -> None:
         assert not server.store.index.sessions.get("default", "p1").pinned
 
 
+def test_priority_changes_the_class_now_and_refuses_bad_input(server: LiveServer) -> None:
+    """The route of ``Engine.set_priority`` (tests/engine/test_upgrades.py: what a raised session's
+    lossy blocks become; this server's ladder is exact, so there is nothing to upgrade)."""
+    start(server, "u1")
+    with server.http() as http:
+        body = http.post("/v1/sessions/u1/priority", json={"priority": "realtime"}).json()
+        assert body["priority"] == "realtime" and body["upgrade"] == {"made_exact": 0, "recomputing": 0}
+        assert server.store.index.sessions.get("default", "u1").priority == "realtime"  # committed
+        bad = http.post("/v1/sessions/u1/priority", json={"priority": "urgent"})
+        assert bad.status_code == 400 and "urgent" in bad.json()["error"]["message"]
+        assert http.post("/v1/sessions/nope/priority", json={"priority": "realtime"}).status_code == 404
+    assert server.store.session("u1").priority == "realtime"
+    outcomes = [e["outcome"] for e in audit_lines(server) if e["action"] == "priority"]
+    assert outcomes[0] == "ok" and len(outcomes) == 3
+
+
 def test_hibernate_checkpoints_and_leaves_device_memory(server: LiveServer) -> None:
     start(server, "h1")
     session = server.store.session("h1")

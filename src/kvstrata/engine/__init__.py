@@ -14,6 +14,7 @@ from kvstrata.engine.grammar import GrammarSpec
 from kvstrata.engine.sampling import SamplingParams, TokenChoice
 from kvstrata.engine.scheduler import QueueFullError, SchedulerClosedError
 from kvstrata.engine.stepper import StepReport
+from kvstrata.engine.upgrades import PriorityChange
 
 __all__ = [
     "BatchStats",
@@ -22,6 +23,7 @@ __all__ = [
     "Engine",
     "GenerationRequest",
     "GrammarSpec",
+    "PriorityChange",
     "QueueFullError",
     "RequestDecoder",
     "Response",

@@ -41,6 +41,7 @@ from kvstrata.engine.requests import GenerationRequest, Message, Response
 from kvstrata.engine.scheduler import Admission
 from kvstrata.engine.session_jobs import SessionJobs
 from kvstrata.engine.stepper import Stepper, StepReport
+from kvstrata.engine.upgrades import IdleRecomputes, PriorityChange
 from kvstrata.engine.worker import PriorityWorker
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.model import LoadedModel
@@ -79,20 +80,18 @@ class Engine:
         pack_weights: bool = True,
         share_prefixes: bool = True,
     ) -> None:
-        """``l1_resident_sessions``: how many sessions' KV may stay decoded in device memory
-        between their requests; the least recently served beyond that are demoted to L2.
-        ``track_importance``: measure the attention mass each block receives (eager attention
-        for those rows) and feed it to the store's cost-based eviction.
-        ``memory_modes``: lossy memory modes per priority class (off by default), for example
-        ``{"background": MemoryMode("importance", 1024)}``; see :mod:`kvstrata.policy.memory`.
-        ``max_batch``: the most requests in one forward pass (1 turns batching off); ``budget``
-        sets every knob of the step scheduler instead (:class:`StepBudget`).
-        ``queue_limit``: the most requests waiting (not yet in a row); more get QueueFullError.
-        ``attention``: the per-row attention of the batched forward pass, ``sdpa`` or ``eager``.
-        ``pack_weights``: pack the model's bf16 linear weights for oneDNN once, and pad fp32
-        linear layers' inputs of 2 or 3 rows past a multiple of 4 (same results within rounding,
-        faster small-batch steps on the CPU; :mod:`kvstrata.integrations.transformers.packed_linear`).
-        ``share_prefixes``: wait for prompt blocks another request computes (:mod:`.computing`)."""
+        """``l1_resident_sessions``: how many sessions' KV may stay in device memory between
+        their requests (the least recently served beyond are demoted to L2). ``track_importance``:
+        measure the attention mass each block receives, for the store's cost-based eviction.
+        ``memory_modes``: lossy memory modes per class (off by default), e.g. ``{"background":
+        MemoryMode("importance", 1024)}`` (:mod:`kvstrata.policy.memory`). ``max_batch``: the most
+        requests in one forward pass (1: no batching); ``budget``: every knob of the step
+        scheduler instead (:class:`StepBudget`). ``queue_limit``: the most requests waiting (not
+        yet in a row); more get QueueFullError. ``attention``: ``sdpa`` or ``eager``.
+        ``pack_weights``: pack bf16 linear weights for oneDNN once, pad fp32 linears' inputs of
+        2-3 rows to 4 (same results within rounding, faster small steps on the CPU:
+        :mod:`kvstrata.integrations.transformers.packed_linear`). ``share_prefixes``: wait for
+        prompt blocks another request computes (:mod:`.computing`)."""
         modes = {Priority.parse(p): mode for p, mode in (memory_modes or {}).items()}
         layout = model.layout(store.layout.block_tokens)
         if layout != store.layout:
@@ -129,6 +128,7 @@ class Engine:
         self._prefetcher: Any = None
         self._drain_lock = threading.Lock()
         self._drained: DrainReport | None = None
+        self._upgrades = IdleRecomputes(store, self.store_lock, self._start, self._cancel)
         # loading the model left this thread an OpenMP team; freed, the step thread's team is the
         # only one and is not throttled (runtime.py: 15-20% of a batched fp32 step on 2 cores)
         release_openmp_threads()
@@ -153,15 +153,9 @@ class Engine:
     ) -> Response:
         """Answer the conversation ``messages`` (the whole history, as the chat template takes it)."""
         request = GenerationRequest(
-            session_id,
-            messages=list(messages),
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            namespace=namespace,
-            priority=priority,
-            use_cache=use_cache,
-            seed=seed,
-        )
+            session_id, messages=list(messages), max_new_tokens=max_new_tokens, temperature=temperature,
+            namespace=namespace, priority=priority, use_cache=use_cache, seed=seed,
+        )  # fmt: skip
         return self.run(request, stream=stream)
 
     def complete(
@@ -179,15 +173,9 @@ class Engine:
     ) -> Response:
         """Continue the raw text ``prompt`` (the whole text so far; no chat template)."""
         request = GenerationRequest(
-            session_id,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            namespace=namespace,
-            priority=priority,
-            use_cache=use_cache,
-            seed=seed,
-        )
+            session_id, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+            namespace=namespace, priority=priority, use_cache=use_cache, seed=seed,
+        )  # fmt: skip
         return self.run(request, stream=stream)
 
     def stream(self, request: GenerationRequest) -> ResponseStream:
@@ -235,11 +223,13 @@ class Engine:
         return self._prepare.prompt_token_ids(request)
 
     # -- requests through the threads ------------------------------------------------------------
-    def _start(self, request: GenerationRequest, *, streaming: bool) -> InFlight:
+    def _start(self, request: GenerationRequest, *, streaming: bool = False) -> InFlight:
         prompt_ids = self.prompt_token_ids(request)
         decoder = self.decoder(request, prompt_ids)  # may refuse the request: before anything is written
         inflight = InFlight(f"req-{next(self._ids)}", request, prompt_ids, decoder, streaming)
         inflight.future.set_running_or_notify_cancel()  # it runs from here on: not cancellable so
+        if request.use_cache and not request.idle:  # the session's idle recompute yields to it
+            self._upgrades.arrived(request.session_id, request.namespace)
         ready = self._admission.enter(inflight)  # QueueFullError
         self._inflight[inflight.request_id] = inflight
         if ready:
@@ -248,8 +238,8 @@ class Engine:
 
     def _to_batch(self, inflight: InFlight) -> None:
         """Hand ``inflight`` to the step thread. A realtime request's restore starts at once (the
-        step scheduler admits it whatever the load): it need not wait for the running step to
-        end to be asked for; once its row is ready, that step is given up for it."""
+        step scheduler admits it whatever the load); once its row is ready, the step running is
+        given up for it."""
         if inflight.request.priority is Priority.REALTIME:
             self._start_open(inflight)
         self._stepper.submit(inflight)
@@ -334,6 +324,7 @@ class Engine:
 
     def _end(self, inflight: InFlight, response: Response | None, failure: BaseException | None) -> None:
         self._inflight.pop(inflight.request_id, None)
+        self._upgrades.ended(inflight)
         following = self._admission.leave(inflight)
         inflight.resolve(response, failure)
         if following is not None:
@@ -357,6 +348,13 @@ class Engine:
         return self._admission.busy(session_id, namespace)
 
     # -- sessions --------------------------------------------------------------------------------
+    def set_priority(
+        self, session_id: str, priority: Priority | str, namespace: str = DEFAULT_NAMESPACE
+    ) -> PriorityChange:
+        """Change the session's class now; when it rises, its lossy blocks are made exact before
+        its next request (:mod:`kvstrata.engine.upgrades`: from L3 or in idle engine steps)."""
+        return self._upgrades.set_priority(session_id, priority, namespace)
+
     def forget(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Drop a deleted (or throwaway) session from the residency list, so that it does not
         push live sessions out of device memory."""
@@ -381,6 +379,7 @@ class Engine:
         with self._drain_lock:
             if self._drained is None:
                 self._admission.closed = True
+                self._upgrades.cancel_all()  # idle work stops at once (keeping what it computed)
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 self._drained = drain(list(self._inflight.values()), self._cancel, deadline)
             return self._drained

@@ -87,6 +87,10 @@ class GenerationRequest:
     """The caller deletes the session once this request is answered (a stateless request): a
     session this request creates keeps no exact recent window
     (:attr:`kvstrata.store.sessions.Session.transient`)."""
+    idle: bool = False
+    """Run only in engine steps that have nothing else to run, and yield to the session's next
+    request (which cancels it; what it computed is kept): the engine's recompute of an upgraded
+    session's lossy blocks (:mod:`kvstrata.engine.upgrades`)."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids))

@@ -156,7 +156,7 @@ class SessionJobs:
         inflight.session, inflight.prefix, inflight.prefill = session, prefix, prompt_ids[start + borrowed :]
         inflight.borrowed = borrowed
         inflight.row = BatchRow(cache, position_offset=start - slots, track_attention=self.track_importance)
-        if self.computing is not None:
+        if self.computing is not None and not inflight.request.idle:  # nobody waits for an idle one
             self.computing.register(inflight)
 
     def _lend_and_reopen(self, waiter: InFlight) -> None:

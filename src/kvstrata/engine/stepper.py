@@ -219,6 +219,7 @@ class Stepper:
                 priority=request.priority,
                 pick=inflight.pick,
                 open_row=lambda: self.open_row(inflight),
+                idle=request.idle,
             )
         )
 

@@ -1,4 +1,5 @@
-"""Session admin routes: list, show, create, delete, fork, pin, unpin, hibernate, export, import.
+"""Session admin routes: list, show, create, delete, fork, pin, unpin, priority, hibernate, export,
+import.
 
 Every route acts in the caller's namespace only: another tenant's session id is a 404 here, the
 same as an id that does not exist. Actions that change or copy a session are audited.
@@ -18,7 +19,7 @@ from kvstrata.priority import Priority
 from kvstrata.server.context import ServerContext
 from kvstrata.server.deps import client_address, context, locked, require_tenant
 from kvstrata.server.errors import APIError, from_kvstrata
-from kvstrata.server.schemas import CreateSessionRequest, ForkRequest
+from kvstrata.server.schemas import CreateSessionRequest, ForkRequest, PriorityRequest
 from kvstrata.store.sessions import SessionInfo
 
 router = APIRouter(prefix="/v1/sessions")
@@ -157,6 +158,26 @@ async def unpin_session(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> dict[str, Any]:
     return _info(await _audited(request, tenant, "unpin", session_id, _set_pinned(session_id, tenant, False)))
+
+
+@router.post("/{session_id}/priority")
+async def set_session_priority(
+    session_id: str, body: PriorityRequest, request: Request, tenant: str = Depends(require_tenant)
+) -> dict[str, Any]:
+    """The session's class, changed now; raised, its lossy blocks are made exact before its next
+    request (from L3's exact copies at once, the others recomputed in idle engine steps)."""
+
+    def work(ctx: ServerContext) -> dict[str, Any]:
+        ctx.store.session(session_id, tenant)  # a 404 before anything changes
+        change = ctx.engine.set_priority(session_id, Priority.parse(body.priority), tenant)
+        info = _info(ctx.store.session(session_id, tenant).info())
+        upgrade = {
+            "made_exact": change.made_exact,
+            "recomputing": change.left_lossy if change.recompute else 0,
+        }
+        return {**info, "upgrade": upgrade}
+
+    return await _audited(request, tenant, "priority", session_id, work)
 
 
 @router.post("/{session_id}/hibernate")

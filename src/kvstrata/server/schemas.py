@@ -252,6 +252,10 @@ class ForkRequest(_Strict):
     id: str
 
 
+class PriorityRequest(_Strict):
+    priority: str
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -57,6 +57,8 @@ class LoopRequest:
     the next step)."""
     record_logits: bool = False
     """Keep every next-token logits row (tests compare them)."""
+    idle: bool = False
+    """Run only in steps that hold nothing else (:class:`StepScheduler`'s rule 5)."""
 
     row: BatchRow | None = None
     generated: list[int] = field(default_factory=list)
@@ -104,7 +106,7 @@ class BatchLoop:
     def submit(self, request: LoopRequest) -> None:
         if request.request_id in self._requests:
             raise ConfigError(f"request {request.request_id!r} is already in the loop")
-        self.scheduler.submit(request.request_id, request.priority)
+        self.scheduler.submit(request.request_id, request.priority, idle=request.idle)
         self._requests[request.request_id] = request
 
     def finish(self, request_id: str, reason: str) -> LoopRequest | None:

@@ -24,6 +24,9 @@ tokens, a decode costs one token, a prefill chunk its length):
    steady and cost one token each), then prefills in chunks of at most ``prefill_chunk`` tokens,
    first in, first served; while an interactive request prefills, background ones do not
    (``interactive_prefill_first``; the reserved starving row aside).
+5. **Idle** requests (``submit(..., idle=True)``: the engine's recompute of an upgraded
+   session's lossy blocks) run only in a step that holds nothing else, and are admitted only
+   when nothing else waits for admission; they never starve (waiting is what they are for).
 
 While a realtime request is live, the rows of the lower classes are held to
 ``realtime_max_sequences`` / ``realtime_max_tokens`` (the realtime rows themselves to the full
@@ -146,6 +149,8 @@ class _Entry:
     prefill_tokens: int | None = None
     """None while queued."""
     prefilled: int = 0
+    idle: bool = False
+    """Runs only in steps that hold nothing else (rule 5)."""
 
     @property
     def live(self) -> bool:
@@ -181,18 +186,22 @@ class StepScheduler:
         self.preemptions: dict[Priority, int] = {p: 0 for p in Priority}
 
     # -- requests coming and going -----------------------------------------------------------
-    def submit(self, request_id: str, priority: Priority | str) -> None:
+    def submit(self, request_id: str, priority: Priority | str, *, idle: bool = False) -> None:
+        """Queue a request; ``idle``: it runs only in steps that hold nothing else (rule 5)."""
         if request_id in self._entries:
             raise ConfigError(f"request {request_id!r} is already scheduled")
         self._entries[request_id] = _Entry(
-            request_id, Priority.parse(priority), next(self._order), last_run=self.step - 1
+            request_id, Priority.parse(priority), next(self._order), last_run=self.step - 1, idle=idle
         )
 
     def admissions(self) -> list[str]:
         """Queued requests to admit now (restore their KV, then :meth:`admit`), in order: every
         realtime one, then starving ones, interactive, background, up to ``max_live``."""
-        queued = [e for e in self._entries.values() if not e.live]
+        queued = [e for e in self._entries.values() if not e.live and not e.idle]
         room = self.budget.max_live - sum(e.live for e in self._entries.values())
+        if not queued:  # idle requests only when nobody else waits
+            idle = sorted((e for e in self._entries.values() if not e.live), key=lambda e: e.order)
+            return [e.request_id for e in idle[: max(0, room)]]
         chosen = [e for e in queued if e.priority is Priority.REALTIME]
         rest = sorted(
             (e for e in queued if e.priority is not Priority.REALTIME),
@@ -221,7 +230,7 @@ class StepScheduler:
         if self._pending is not None:
             raise ConfigError("the previous plan was not completed")
         budget = self.budget
-        live = [e for e in self._entries.values() if e.live]
+        live = [e for e in self._entries.values() if e.live and not e.idle]
         realtime_live = any(e.priority is Priority.REALTIME for e in live)
         share = self.step - self._others_shared >= budget.realtime_share_every
         realtime_prefill = budget.realtime_prefill_alone and any(
@@ -273,6 +282,13 @@ class StepScheduler:
             if not is_realtime:
                 other_rows += 1
                 other_tokens += slot.tokens
+        if not slots:  # a step with nothing else to run: the idle requests'
+            idle = self._by_phase(e for e in self._entries.values() if e.live and e.idle)
+            for entry in idle[: budget.max_sequences]:
+                slot = self._slot(entry, budget.max_tokens - tokens, chunked=True)
+                if slot is not None:
+                    slots.append(slot)
+                    tokens += slot.tokens
         paused = tuple(sorted(self._ran_last - taken, key=lambda rid: self._entries[rid].order))
         self._pending = StepPlan(self.step, tuple(slots), paused)
         return self._pending
@@ -337,7 +353,7 @@ class StepScheduler:
             raise ConfigError(f"unknown request {request_id!r}") from None
 
     def _starving(self, entry: _Entry) -> bool:
-        return self.step - entry.last_run >= self.budget.starvation_steps
+        return not entry.idle and self.step - entry.last_run >= self.budget.starvation_steps
 
     @staticmethod
     def _by_phase(entries: Iterable[_Entry]) -> list[_Entry]:
