@@ -247,6 +247,30 @@ def test_exact_kv_written_for_blocks_held_lossy_replaces_device_memorys_copies(o
     assert torch.equal(loaded.kv, token_kv(FP32, tokens))  # type: ignore[arg-type]
 
 
+def test_a_block_appended_again_while_only_on_disk_is_placed_in_memory(open_store: Factory) -> None:
+    """The KV in hand of a block stored only below memory (a session's tail written again after
+    a recompute, a prefix demoted and computed again) is placed in device memory, as an access:
+    before, the append only touched it, and the next restore read it from disk."""
+    store = open_store(
+        layout=FP32, ladder=CodecLadder.exact(), l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
+    tokens = [i % 997 for i in range(160)]  # two full blocks and a tail
+    first = store.create_session("first", priority="realtime")
+    store.append(first, tokens, token_kv(FP32, tokens))
+    store.checkpoint(first)
+    keys = first.all_keys()
+    store.blocks.demote_from_l1(keys)
+    store.blocks.wait_demotions()
+    store.flush()
+    assert all(store.blocks.where(k) is not TierLevel.L1 and store.disk.contains(k) for k in keys)
+    again = store.create_session("again", priority="realtime")
+    store.append(again, tokens, token_kv(FP32, tokens))
+    assert again.all_keys() == keys
+    assert all(store.blocks.where(k) is TierLevel.L1 for k in keys)
+    loaded = store.load(again)
+    assert loaded.tokens_by_tier == {TierLevel.L1: 160} and torch.equal(loaded.kv, token_kv(FP32, tokens))  # type: ignore[arg-type]
+
+
 def test_a_slot_made_in_inference_mode_takes_a_block_outside_it(open_store: Factory) -> None:
     """Device memory's slots outlive their blocks: one made while the step thread runs in inference
     mode takes the next block of its size put by another thread (the prefetcher) outside it."""

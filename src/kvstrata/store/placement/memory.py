@@ -57,8 +57,7 @@ class MemoryTiers:
     and a reader that holds a block (``BlockStatsTable.hold``) before looking it up here sees it
     stay where it found it. It also guards the per-tier counters of those moves and of the hits
     recorded here, and the placement's fields of each block's statistics (namespace, recent-window
-    flag, time of its last demotion). Every method that needs the lock takes it; no other object
-    takes it."""
+    flag, time of its last demotion). Every method that needs the lock takes it; no other does."""
 
     def __init__(
         self,
@@ -142,8 +141,8 @@ class MemoryTiers:
         absent_from_disk: bool,
     ) -> bool | None:
         """Place a new block at the top (see ``TieredStore.put``). None: it is stored already in a
-        precision ``priority`` accepts (nothing to do); else whether L3 must be written now (write-
-        through, no memory tier took it, or it replaces lossier stored copies)."""
+        precision ``priority`` accepts (placed in memory if only below it); else whether L3 must
+        be written now (write-through, no memory tier took it, or it replaces lossier copies)."""
         with self._lock:
             stats = self.stats.touch(block.key, block.num_tokens, priority, block.start_pos)
             stats.recent = stats.recent or recent
@@ -153,6 +152,8 @@ class MemoryTiers:
             loss = min([*ranks, *([elsewhere] if elsewhere is not None else [])], default=None)
             if loss is not None:
                 if loss <= self._encodings.max_loss(priority) and not replace:
+                    if not ranks:  # stored only below memory: the copy in hand is placed (an access)
+                        self._place(block, 0)
                     return None
                 # the stored memory copies go (all lossy, device memory's too, or any with
                 # ``replace``); L3's is replaced in place by the write that follows
