@@ -36,6 +36,7 @@ SUITES: dict[str, str] = {
     "crash": "crash",
     "arrivals": "arrivals",
     "pool": "pool",
+    "upgrade": "upgrade",
 }
 """``kvstrata bench <name>`` -> its package in this package (the command is in its ``runner``)."""
 
