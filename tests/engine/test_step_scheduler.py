@@ -120,14 +120,20 @@ def test_an_idle_request_runs_only_in_steps_with_nothing_else_and_never_starves(
     for _ in range(6):  # far past starvation_steps: it still waits while "bg" decodes
         assert rows(s.run_step()) == [("bg", "decode", 1)]
     assert s.phase("idle") is Phase.PREFILL  # admitted (its KV restored), never run
+    s.prefill["idle2"] = 1
+    s.submit("idle2", "background", idle=True)
     s.finish("bg")
     assert rows(s.run_step()) == [("idle", "prefill", 10)]  # nothing else: it runs, chunked
+    assert s.phase("idle2") is None  # one idle request holds a row at a time
     s.add("rt", "realtime", 4)
     assert rows(s.run_step()) == [("rt", "prefill", 4)]
     s.finish("rt")
     assert rows(s.run_step()) == [("idle", "prefill", 10)]
     assert rows(s.run_step()) == [("idle", "prefill", 5)]
     assert rows(s.run_step()) == [("idle", "decode", 1)]
+    s.finish("idle")
+    assert rows(s.run_step()) == [("idle2", "prefill", 1)]
+    assert s.admissions() == []  # nothing waits
 
 
 def test_a_realtime_arrival_prefills_at_the_next_step_and_background_is_paused_then_resumed() -> None:

@@ -25,8 +25,9 @@ tokens, a decode costs one token, a prefill chunk its length):
    first in, first served; while an interactive request prefills, background ones do not
    (``interactive_prefill_first``; the reserved starving row aside).
 5. **Idle** requests (``submit(..., idle=True)``: the engine's recompute of an upgraded
-   session's lossy blocks) run only in a step that holds nothing else, and are admitted only
-   when nothing else waits for admission; they never starve (waiting is what they are for).
+   session's lossy blocks) run only in a step that holds nothing else, and are admitted one at
+   a time, only when nothing else waits for admission; they never starve (waiting is what they
+   are for).
 
 While a realtime request is live, the rows of the lower classes are held to
 ``realtime_max_sequences`` / ``realtime_max_tokens`` (the realtime rows themselves to the full
@@ -199,9 +200,11 @@ class StepScheduler:
         realtime one, then starving ones, interactive, background, up to ``max_live``."""
         queued = [e for e in self._entries.values() if not e.live and not e.idle]
         room = self.budget.max_live - sum(e.live for e in self._entries.values())
-        if not queued:  # idle requests only when nobody else waits
-            idle = sorted((e for e in self._entries.values() if not e.live), key=lambda e: e.order)
-            return [e.request_id for e in idle[: max(0, room)]]
+        if not queued:  # idle requests only when nobody else waits, one at a time (each holds a row)
+            waiting = sorted((e for e in self._entries.values() if not e.live), key=lambda e: e.order)
+            if not waiting or room < 1 or any(e.live and e.idle for e in self._entries.values()):
+                return []
+            return [waiting[0].request_id]
         chosen = [e for e in queued if e.priority is Priority.REALTIME]
         rest = sorted(
             (e for e in queued if e.priority is not Priority.REALTIME),
