@@ -50,3 +50,42 @@ def test_requests_one_after_another_share_the_engines_threads(tiny: LoadedModel,
         if thread not in steps_before and thread not in workers_before:
             thread.join(10)
             assert not thread.is_alive()  # close ended them (not IDLE_THREAD_S later)
+
+
+def test_a_request_that_fits_in_the_next_step_is_restored_while_the_running_step_ends(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """An interactive request arriving while a step runs has its prefix restored on the store
+    worker at once, so that the next step admits it; before, only the step thread started the
+    restore, once the running step had ended, and the request waited a step more (the first-turn
+    tail of ``kvstrata bench agents --pool``)."""
+    from kvstrata.engine.inflight import RowState
+
+    config = StoreConfig(ladder=CodecLadder.exact())
+    store = KVStore(tmp_path / "store", tiny.layout(8), model_fingerprint=tiny.fingerprint, config=config)
+    engine = Engine(tiny, store)
+    gate, parked = threading.Event(), threading.Event()
+
+    def park(_report: object) -> None:  # the step thread sits between two steps until the gate opens
+        if not gate.is_set():
+            parked.set()
+            gate.wait(60)
+
+    engine.add_step_listener(park)
+    try:
+        first = engine.stream(
+            GenerationRequest("a", prompt_ids=[5, 6, 7, 8, 9], sampling=SamplingParams(4, 0.0))
+        )
+        assert parked.wait(60)
+        second = engine.stream(
+            GenerationRequest("b", prompt_ids=[9, 8, 7, 6], sampling=SamplingParams(2, 0.0))
+        )
+        inflight = engine._inflight[second.request_id]
+        assert engine._worker.wait_idle(60)
+        assert inflight.state is RowState.READY  # restored while the step thread was busy
+        gate.set()
+        assert second.result(120).completion_tokens == 2 and first.result(120).completion_tokens == 4
+    finally:
+        gate.set()
+        engine.close()
+        store.close()

@@ -237,10 +237,12 @@ class Engine:
         return inflight
 
     def _to_batch(self, inflight: InFlight) -> None:
-        """Hand ``inflight`` to the step thread. A realtime request's restore starts at once (the
-        step scheduler admits it whatever the load); once its row is ready, the step running is
-        given up for it."""
-        if inflight.request.priority is Priority.REALTIME:
+        """Hand ``inflight`` to the step thread; its restore starts now where the next step admits
+        it anyway (realtime: whatever the load, the running step given up for it; else while the
+        requests in flight fit in one step), not a step later."""
+        request = inflight.request
+        fits = len(self._inflight) <= self.budget.max_sequences and not request.idle
+        if request.priority is Priority.REALTIME or fits:
             self._start_open(inflight)
         self._stepper.submit(inflight)
 
@@ -366,8 +368,7 @@ class Engine:
         return self._jobs.request_rate(session_id, namespace)
 
     def hint(self, next: Sequence[str], namespace: str = DEFAULT_NAMESPACE) -> None:
-        """Say which sessions run next: their blocks are loaded into device memory in the
-        background, overlapping the current request's compute."""
+        """Say which sessions run next: their blocks are loaded into device memory meanwhile."""
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(self.store)
         self._prefetcher.hint(list(next), namespace)
