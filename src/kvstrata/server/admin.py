@@ -168,7 +168,7 @@ async def set_session_priority(
     request (from L3's exact copies at once, the others recomputed in idle engine steps)."""
 
     def work(ctx: ServerContext) -> dict[str, Any]:
-        ctx.store.session(session_id, tenant)  # a 404 before anything changes
+        # an unknown class (400) or session (404) is refused before anything changes
         change = ctx.engine.set_priority(session_id, Priority.parse(body.priority), tenant)
         info = _info(ctx.store.session(session_id, tenant).info())
         upgrade = {
