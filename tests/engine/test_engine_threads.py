@@ -11,8 +11,14 @@ import pytest
 
 from kvstrata import KVStore, StoreConfig
 from kvstrata.engine import Engine, GenerationRequest, SamplingParams
+from kvstrata.engine.batch.step_scheduler import Phase, Slot, StepPlan
+from kvstrata.engine.inflight import ResponseStream
+from kvstrata.engine.stepper import StepReport
 from kvstrata.integrations.transformers.model import LoadedModel, load_model, save_tiny_llama
 from kvstrata.policy.ladder import CodecLadder
+from kvstrata.priority import Priority
+
+GREEDY2 = SamplingParams(2, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -87,5 +93,82 @@ def test_a_request_that_fits_in_the_next_step_is_restored_while_the_running_step
         assert second.result(120).completion_tokens == 2 and first.result(120).completion_tokens == 4
     finally:
         gate.set()
+        engine.close()
+        store.close()
+
+
+def test_a_step_of_background_rows_alone_is_given_up_for_an_interactive_row(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """An interactive request whose row gets ready while a step of background rows runs takes that
+    step's place at the next layer (``kvstrata bench agents --pool``: a hot agent's turn arriving as
+    a background prefill began waited the whole step); the background request goes on where it was
+    and gives the same tokens as uninterrupted."""
+    config = StoreConfig(ladder=CodecLadder.exact())
+    store = KVStore(tmp_path / "store", tiny.layout(8), model_fingerprint=tiny.fingerprint, config=config)
+    engine = Engine(tiny, store)
+    reports: list[StepReport] = []
+    engine.add_step_listener(reports.append)
+    stepper = engine._stepper
+    asked = stepper._interrupt
+    hot: list[ResponseStream] = []
+
+    def arrive_in_a_background_step(plan: StepPlan) -> bool:
+        if not hot and len(reports) >= 2:  # the background request is decoding: a step of it alone
+            hot.append(engine.stream(GenerationRequest("hot", prompt_ids=[9, 8, 7, 6], sampling=GREEDY2)))
+            assert engine._worker.wait_idle(60)  # its row is ready: it woke the step thread meanwhile
+        return asked(plan)
+
+    stepper._interrupt = arrive_in_a_background_step  # type: ignore[method-assign]
+    sampling = SamplingParams(12, 0.0, ignore_eos=True)
+    background = GenerationRequest("bg", prompt_ids=[5, 6, 7, 8, 9], sampling=sampling, priority="background")
+    try:
+        tokens = engine.submit(background).result(120).token_ids
+        assert hot and hot[0].result(120).completion_tokens == 2
+        stepper._interrupt = asked  # type: ignore[method-assign]
+        engine.forget("bg")
+        store.delete_session("bg")
+        assert engine.submit(background).result(120).token_ids == tokens  # as uninterrupted
+    finally:
+        engine.close()
+        store.close()
+    given_up = [i for i, r in enumerate(reports) if r.interrupted]
+    assert len(given_up) == 1
+    plan = reports[given_up[0]].plan
+    assert [s.priority for s in plan.slots] == [Priority.BACKGROUND]
+    after = reports[given_up[0] + 1].plan  # the next step: the hot prefill, the background decode beside it
+    assert {(s.priority, s.phase) for s in after.slots} == {
+        (Priority.INTERACTIVE, Phase.PREFILL),
+        (Priority.BACKGROUND, Phase.DECODE),
+    }
+    assert engine.batch_stats().interrupted_steps == 1
+
+
+def test_which_ready_row_gives_up_which_step(tiny: LoadedModel, tmp_path: Path) -> None:
+    """A ready row gives up a running step only when every row in it is of a less demanding class,
+    or the step runs idle requests alone (the recompute of an upgraded session)."""
+    store = KVStore(tmp_path / "store", tiny.layout(8), model_fingerprint=tiny.fingerprint)
+    engine = Engine(tiny, store)
+    stepper = engine._stepper
+
+    def plan(*classes: Priority, idle: bool = False) -> StepPlan:
+        slots = tuple(Slot(f"r{i}", p, Phase.DECODE, 1, True) for i, p in enumerate(classes))
+        return StepPlan(0, slots, (), idle=idle)
+
+    try:
+        background, both = plan(Priority.BACKGROUND), plan(Priority.INTERACTIVE, Priority.BACKGROUND)
+        realtime_idle = plan(Priority.REALTIME, idle=True)
+        assert not stepper._interrupt(background)  # nothing got ready
+        stepper.wake(None)  # an idle request's row: gives nothing up
+        assert not stepper._interrupt(background) and not stepper._interrupt(realtime_idle)
+        stepper.wake(Priority.BACKGROUND)
+        assert not stepper._interrupt(background) and stepper._interrupt(realtime_idle)
+        stepper.wake(Priority.INTERACTIVE)
+        assert stepper._interrupt(background) and not stepper._interrupt(both)
+        stepper.wake(Priority.BACKGROUND)  # the most demanding ready row counts
+        assert stepper._interrupt(background)
+        stepper.wake(Priority.REALTIME)
+        assert stepper._interrupt(both) and not stepper._interrupt(plan(Priority.REALTIME))
+    finally:
         engine.close()
         store.close()

@@ -43,7 +43,8 @@ class BatchStats:
     """Times a running request was left out of a step (paused) for others."""
     steps: int
     interrupted_steps: int
-    """Steps given up for a realtime arrival."""
+    """Steps given up for a more demanding row that got ready (a realtime one; an interactive one
+    beside background rows alone; any beside idle rows)."""
 
     @classmethod
     def of(

@@ -281,7 +281,7 @@ class Engine:
             self._prefetcher.realtime_started()  # background loading pauses meanwhile
             inflight.realtime_paused_prefetch = True
         inflight.state = RowState.READY
-        self._stepper.wake(urgent=realtime)
+        self._stepper.wake(None if inflight.request.idle else Priority(inflight.request.priority))
 
     def _left_batch(self, inflight: InFlight, reason: str) -> None:
         """Step thread: the request left the batch; its commit goes to the store worker."""

@@ -105,7 +105,8 @@ class Stepper:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, InFlight, str]] = []
         self._woken = False
-        self._urgent = False
+        self._urgent: Priority | None = None
+        """The most demanding class of the rows that got ready since the step began."""
         self._live: dict[str, InFlight] = {}
         self._thread: threading.Thread | None = None
         self._idle = True  # nothing submitted is unfinished
@@ -124,11 +125,13 @@ class Stepper:
         with self._cond:
             self._post("finish", inflight, reason)
 
-    def wake(self, *, urgent: bool = False) -> None:
-        """A row became ready; ``urgent``: a realtime one, worth giving a running step up for."""
+    def wake(self, ready: Priority | None = None) -> None:
+        """A row became ready; ``ready``: its class, for which a running step of less demanding rows
+        alone is given up (see :meth:`_interrupt`)."""
         with self._cond:
             self._woken = True
-            self._urgent = self._urgent or urgent
+            if ready is not None and (self._urgent is None or ready.rank < self._urgent.rank):
+                self._urgent = ready
             self._cond.notify_all()
 
     def _post(self, kind: str, inflight: InFlight, reason: str) -> None:
@@ -186,7 +189,7 @@ class Stepper:
                             continue
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
-                    self._woken = self._urgent = False
+                    self._woken, self._urgent = False, None
                 for kind, inflight, reason in inbox:
                     if kind == "submit":
                         self._add(inflight)
@@ -268,7 +271,14 @@ class Stepper:
                 self._woken = False
 
     def _interrupt(self, plan: StepPlan) -> bool:
-        return self._urgent and not any(slot.priority is Priority.REALTIME for slot in plan.slots)
+        """Give the running step up for a row that got ready meanwhile when every row in it is of a
+        less demanding class (a realtime row: any step without a realtime row; an interactive one: a
+        step of background rows alone), or the step runs idle requests: the ready row's first token
+        comes a step sooner, and the rows given up run again from where they were."""
+        urgent = self._urgent
+        if urgent is None:
+            return False
+        return plan.idle or all(slot.priority.rank > urgent.rank for slot in plan.slots)
 
     def _step(self) -> bool:
         """Run one step; whether it ran any row."""

@@ -204,7 +204,7 @@ def cuda_memory(device: str) -> DeviceMemory:
 
 class BatchCollector(Collector):
     """The engine's batch, read at scrape time: waiting and running requests and preemptions per
-    class, steps run and steps given up for a realtime arrival."""
+    class, steps run and steps given up for a more demanding arrival."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -234,7 +234,8 @@ class BatchCollector(Collector):
         yield CounterMetricFamily("kvstrata_batch_steps", "Batched forward passes run.", value=stats.steps)
         yield CounterMetricFamily(
             "kvstrata_batch_interrupted_steps",
-            "Steps given up so that a realtime arrival runs at once.",
+            "Steps given up so that a more demanding arrival runs at once (realtime; interactive beside "
+            "background rows alone).",
             value=stats.interrupted_steps,
         )
 

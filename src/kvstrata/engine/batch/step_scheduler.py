@@ -27,7 +27,8 @@ tokens, a decode costs one token, a prefill chunk its length):
 5. **Idle** requests (``submit(..., idle=True)``: the engine's recompute of an upgraded
    session's lossy blocks) run only in a step that holds nothing else, and are admitted one at
    a time, only when nothing else waits for admission; they never starve (waiting is what they
-   are for).
+   are for). The plan of such a step says so (``StepPlan.idle``): the engine gives it up for any
+   row that gets ready meanwhile.
 
 While a realtime request is live, the rows of the lower classes are held to
 ``realtime_max_sequences`` / ``realtime_max_tokens`` (the realtime rows themselves to the full
@@ -129,6 +130,8 @@ class StepPlan:
     slots: tuple[Slot, ...]
     paused: tuple[str, ...]
     """Live requests that ran in the previous step and are left out of this one (preempted)."""
+    idle: bool = False
+    """The step holds idle requests alone (rule 5): any row that gets ready may take its place."""
 
     @property
     def tokens(self) -> int:
@@ -285,7 +288,8 @@ class StepScheduler:
             if not is_realtime:
                 other_rows += 1
                 other_tokens += slot.tokens
-        if not slots:  # a step with nothing else to run: the idle requests'
+        idle_step = not slots
+        if idle_step:  # a step with nothing else to run: the idle requests'
             idle = self._by_phase(e for e in self._entries.values() if e.live and e.idle)
             for entry in idle[: budget.max_sequences]:
                 slot = self._slot(entry, budget.max_tokens - tokens, chunked=True)
@@ -293,7 +297,7 @@ class StepScheduler:
                     slots.append(slot)
                     tokens += slot.tokens
         paused = tuple(sorted(self._ran_last - taken, key=lambda rid: self._entries[rid].order))
-        self._pending = StepPlan(self.step, tuple(slots), paused)
+        self._pending = StepPlan(self.step, tuple(slots), paused, idle=idle_step and bool(slots))
         return self._pending
 
     def complete(self, plan: StepPlan) -> None:
