@@ -148,6 +148,10 @@ def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_pat
     (verdict,) = data["verdicts"]
     assert verdict["agents"] == 2 and verdict["hot_p99_vs_alone"] > 0
     assert verdict["budget_binds"] == (exact["resident_mean"] < 2)  # no 2x to show when all fit exact
+    # the most the ratio can show with 2 agents: 2 / what exact L1 keeps; capped where encoded keeps both
+    assert verdict["resident_cap"] == pytest.approx(2 / max(exact["resident_mean"], 1e-9))
+    capped = verdict["budget_binds"] and encoded["resident_mean"] >= 0.95 * 2
+    assert verdict["capped_by_agents"] == capped
     assert isinstance(verdict["met"], bool)
 
 
