@@ -289,14 +289,15 @@ def pool_result(
                 f"{run_.stats.wall_s:.0f}",
             )
         agents = encoded.stats.agents
-        ratio = encoded.summary()["resident_mean"] / max(exact.summary()["resident_mean"], 1e-9)
+        kept_encoded, kept_exact = encoded.summary()["resident_mean"], exact.summary()["resident_mean"]
+        ratio = kept_encoded / max(kept_exact, 1e-9)
         # exact L1 keeping every agent resident: the budget does not bind, no 2x can be shown
-        binding = exact.summary()["resident_mean"] < agents
+        binding = kept_exact < agents
         p99_ratio = encoded.stats.ttft(HOT, 99) / reference if reference else float("inf")
         # the ratio cannot exceed agents / exact's: where encoded L1 keeps (nearly) every agent, the
         # agent count caps it rather than the budget (a smaller --l1-share makes the budget bind)
-        cap = agents / max(exact.summary()["resident_mean"], 1e-9)
-        capped = binding and encoded.summary()["resident_mean"] >= 0.95 * agents
+        cap = agents / max(kept_exact, 1e-9)
+        capped = binding and kept_encoded >= 0.95 * agents
         verdicts.append(
             {
                 "agents": agents,
