@@ -39,7 +39,7 @@ def test_defaults_and_validation() -> None:
     assert [ladder.codec_for(p, TierLevel.L1) for p in Priority] == ["identity", "int8s", "kivi4"]
     assert ladder.max_loss_rank(Priority.REALTIME) == 0
     # archived blocks come back at archive quality for the classes that get archived
-    assert ladder.max_loss_rank(Priority.BACKGROUND) == ladder.max_loss_rank(Priority.INTERACTIVE) == 4
+    assert ladder.max_loss_rank(Priority.BACKGROUND) == ladder.max_loss_rank(Priority.INTERACTIVE) == 5
     no_archive = CodecLadder(archived="identity")
     assert no_archive.max_loss_rank(Priority.BACKGROUND) > no_archive.max_loss_rank(Priority.INTERACTIVE) > 0
     assert ladder.archive_codec(Priority.BACKGROUND, pinned=False) == "kivi2"

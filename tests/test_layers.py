@@ -241,7 +241,7 @@ def test_every_codec_says_its_loss_rank() -> None:
     ranks = {cls.name: cls.__dict__.get("loss_rank") for cls in _REGISTRY.values()}
     assert all(isinstance(rank, int) for rank in ranks.values()), ranks
     assert [name for name, rank in ranks.items() if rank == 0] == ["identity", "lossless", "delta"]
-    assert loss_rank("int8") < loss_rank("kivi4") < loss_rank("kivi2")
+    assert loss_rank("int8") < loss_rank("kivi4") < loss_rank("kvmix") < loss_rank("kivi2")
 
 
 def test_every_offender_entry_names_an_owner() -> None:

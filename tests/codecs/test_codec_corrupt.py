@@ -29,6 +29,7 @@ SPECS = [
     ("int8s", {"group_size": 16}),
     ("kivi4", {}),
     ("kivi2", {"key_group_tokens": 5}),
+    ("kvmix", {}),
     ("delta", {}),
     ("sparse", {}),
     ("naive_int4", {}),

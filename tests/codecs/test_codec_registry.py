@@ -31,6 +31,7 @@ EXPECTED_NAMES = {
     CodecId.SPARSE: "sparse",
     CodecId.NAIVE_INT4: "naive_int4",
     CodecId.INT8S: "int8s",
+    CodecId.KVMIX: "kvmix",
 }
 
 
@@ -58,6 +59,7 @@ def test_options_are_the_dataclass_fields() -> None:
         ("int8", {"group_size": True}),
         ("kivi4", {"sink_tokens": -1}),
         ("kivi2", {"value_group_size": 0}),
+        ("kvmix", {"value_group_size": 32}),
         ("lossless", {"backend": "gzip"}),
         ("lossless", {"level": 0}),
         ("delta", {"level": 23}),
@@ -78,6 +80,7 @@ def test_invalid_options_raise_config_error(name: str, options: dict[str, object
         ("int8", {"group_size": 16}),
         ("kivi4", {"key_group_tokens": 4, "value_group_size": 16, "sink_tokens": 6}),
         ("kivi2", {"key_group_tokens": 5, "value_group_size": 32, "sink_tokens": 0}),
+        ("kvmix", {"value_group_size": 64, "sink_tokens": 6}),
         ("sparse", {"fraction": 0.3}),
         ("delta", {"level": 1}),
     ],

@@ -19,6 +19,7 @@ MAX_ABS_ERROR = {
     "int8s": 0.05,
     "kivi4": 0.8,
     "kivi2": 3.0,
+    "kvmix": 3.0,
     "naive_int4": 0.8,
 }
 

@@ -57,7 +57,7 @@ def test_int8s_keeps_zero_groups_exact_and_refuses_what_it_cannot_hold() -> None
         get_codec("int8s").encode(kv)
 
 
-@pytest.mark.parametrize("name", ["int8s", "kivi4", "kivi2"])
+@pytest.mark.parametrize("name", ["int8s", "kivi4", "kivi2", "kvmix"])
 @pytest.mark.parametrize("tokens", [64, 37, 1])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pages_hold_the_record_and_dequantize_to_the_codecs_bits(name: str, tokens: int, dtype: str) -> None:
@@ -68,7 +68,7 @@ def test_pages_hold_the_record_and_dequantize_to_the_codecs_bits(name: str, toke
     assert spec is not None and spec.codec == block.codec and spec.tokens == tokens
     held = pages.to_pages(block, spec, lay)
     assert held.size == spec.block_nbytes(lay)
-    if name == "int8s":  # the record is its pages
+    if name in ("int8s", "kvmix"):  # the record is its pages
         assert held.tobytes() == bytes(block.payload)
     back = pages.from_pages(held.copy(), spec, lay)
     assert back == pages.from_pages(torch.from_numpy(held.copy()), spec, lay)
@@ -124,20 +124,28 @@ def test_an_arena_dequantizes_a_layer_natively_to_the_torch_paths_bits(dtype: to
     lay = layout()
     arena = _arena(
         lay,
-        [("int8s", 64, 64), ("kivi4", 128, 64), ("kivi2", 192, 64), ("int8s", 256, 37), ("kivi4", 320, 50)],
+        [
+            ("int8s", 64, 64),
+            ("kivi4", 128, 64),
+            ("kivi2", 192, 64),
+            ("int8s", 256, 37),
+            ("kivi4", 320, 50),
+            ("kvmix", 384, 64),
+            ("kvmix", 448, 21),
+        ],
     )
-    assert arena.tokens == 279 and arena.table[:, 0].tolist() == [10, 5, 6, 10, 5]
+    assert arena.tokens == 364 and arena.table[:, 0].tolist() == [10, 5, 6, 10, 5, 11, 11]
     for layer in range(lay.num_layers):
-        native = torch.zeros(2, 3, 300, 64, dtype=dtype)
+        native = torch.zeros(2, 3, 400, 64, dtype=dtype)
         assert _pages_native.dequantize_layer(arena.buffer, arena.table, layer, 3, native[0], native[1])
-        by_torch = torch.zeros(2, 3, 300, 64)
+        by_torch = torch.zeros(2, 3, 400, 64)
         t0 = 0
         for index, spec in enumerate(arena.specs):
             kv = pages.dequantize(arena.block_pages(index)[layer : layer + 1], spec)
             by_torch[:, :, t0 : t0 + spec.tokens] = kv[:, 0]
             t0 += spec.tokens
         assert torch.equal(native, by_torch.to(dtype))
-        assert not native[:, :, 279:].any()  # nothing written past the pages' tokens
+        assert not native[:, :, 364:].any()  # nothing written past the pages' tokens
 
 
 def test_an_arena_keeps_blocks_in_sequence_order_and_refuses_overlaps() -> None:

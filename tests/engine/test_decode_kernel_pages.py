@@ -63,6 +63,8 @@ def row(
         ["kivi4"],
         ["kivi2"],
         ["int8s", "kivi4", "kivi2", "int8s-32", "int8s", "kivi4"],
+        ["kvmix"],
+        ["kvmix", "int8s", "kvmix", "kivi4", "kvmix"],
     ],
 )
 def test_pages_read_in_place_match_dequantize_then_sdpa(
@@ -83,6 +85,8 @@ def test_pages_read_in_place_match_dequantize_then_sdpa(
             k, v = reference[0, layer].unsqueeze(0), reference[1, layer].unsqueeze(0)
             want = F.scaled_dot_product_attention(grouped, k, v, scale=0.125).reshape(HEADS * GROUP, DIM)
             tolerance = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+            if "kvmix" in codecs and dtype == torch.float32:
+                tolerance = 1e-5  # the values' rotation turned back by a transform, not a matmul
             torch.testing.assert_close(out[i].float(), want.to(dtype).float(), atol=tolerance, rtol=tolerance)
             probabilities = torch.softmax(grouped @ k.transpose(-1, -2) * 0.125, dim=-1).sum(dim=2)[0]
             tokens = probabilities.shape[-1]

@@ -54,11 +54,14 @@ def paged_and_reference(
     return paged, KVStrataCache.from_kv(decoded, model=model, extra_tokens=extra)
 
 
+@pytest.mark.parametrize("plan", [PLAN, [None, "kvmix", "int8s", "kvmix", None]], ids=["kivi", "kvmix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generate_path_attends_to_encoded_blocks_as_to_their_decoded_values(dtype: torch.dtype) -> None:
+def test_generate_path_attends_to_encoded_blocks_as_to_their_decoded_values(
+    dtype: torch.dtype, plan: list[str | None]
+) -> None:
     model = model_of(dtype)
     history = ids(3, 70)
-    paged, reference = paged_and_reference(model, history)
+    paged, reference = paged_and_reference(model, history, plan)
     assert all(isinstance(layer, PagedLayer) for layer in paged.layers)
     assert paged.get_seq_length() == reference.get_seq_length() == 70 and paged.prefix_tokens == 70
     assert paged.pages is not None and paged.pages.tokens == 48
@@ -112,7 +115,7 @@ def test_batched_rows_with_encoded_blocks_match_their_decoded_values_alone(
     else:
         monkeypatch.setattr(decode_kernel, "loaded", lambda: None)
     histories = [ids(6, 70), ids(7, 40), ids(8, 33)]
-    plans = [PLAN, ["int8s", "kivi4"], []]
+    plans = [PLAN, ["int8s", "kvmix"], []]
     prompts = [[5], ids(9, 7), [6]]
     caches = [paged_and_reference(model, h, p) for h, p in zip(histories, plans, strict=True)]
     expected = [solo_greedy(model, ref, p, 4) for (_, ref), p in zip(caches, prompts, strict=True)]
@@ -160,7 +163,7 @@ def test_the_native_decode_step_reads_encoded_blocks_as_the_python_loop_does(ker
     native, loop = BatchedForward(model), BatchedForward(model)
     assert loop._llama is not None and native._llama is not None
     loop._llama._native_layers = None
-    histories, plans = [ids(11, 70), ids(12, 40)], [PLAN, ["int8s", "kivi4"]]
+    histories, plans = [ids(11, 70), ids(12, 40)], [PLAN, ["int8s", "kvmix"]]
     rows = [
         [
             BatchRow(paged_and_reference(model, h, p)[0], track_attention=i == 0)

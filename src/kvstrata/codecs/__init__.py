@@ -15,6 +15,7 @@ from kvstrata.codecs.identity import IdentityCodec
 from kvstrata.codecs.int8 import Int8Codec
 from kvstrata.codecs.int8s import Int8SymCodec
 from kvstrata.codecs.kivi import Kivi2Codec, Kivi4Codec
+from kvstrata.codecs.kvmix import KvmixCodec
 from kvstrata.codecs.lossless import LosslessCodec
 from kvstrata.codecs.naive_int4 import NaiveInt4Codec
 from kvstrata.codecs.sparse import SparseCodec
@@ -34,6 +35,7 @@ _REGISTRY: dict[CodecId, type] = {
     CodecId.SPARSE: SparseCodec,
     CodecId.NAIVE_INT4: NaiveInt4Codec,
     CodecId.INT8S: Int8SymCodec,
+    CodecId.KVMIX: KvmixCodec,
 }
 
 
@@ -103,6 +105,7 @@ __all__ = [
     "Int8SymCodec",
     "Kivi2Codec",
     "Kivi4Codec",
+    "KvmixCodec",
     "LosslessCodec",
     "NaiveInt4Codec",
     "SparseCodec",

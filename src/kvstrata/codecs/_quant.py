@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvstrata.codecs.base import tensor_bytes
 from kvstrata.errors import CodecError
 
 SCALE_BYTES = 2  # scales and zero points are float16
+LANES = 16
+"""Floats in one of the decode kernel's vectors; a unit of planar codes is 16 bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +88,28 @@ def unpack_codes(data: bytes | bytearray | memoryview, bits: int, count: int) ->
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
     lanes = (raw.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return lanes.reshape(-1)[:count]
+
+
+def planar_span(bits: int) -> int:
+    """Elements one 16-byte unit of planar codes holds (32 of 4 bits, 64 of 2 bits)."""
+    return LANES * 8 // bits
+
+
+def pack_planar(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(..., n)`` (n padded with zeros to a unit) packed planar: ``(..., units, 16)`` bytes."""
+    span = planar_span(bits)
+    pad = (-codes.shape[-1]) % span
+    if pad:
+        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], pad), dtype=codes.dtype)], axis=-1)
+    lanes = codes.reshape(*codes.shape[:-1], -1, 8 // bits, LANES).astype(np.uint8)
+    packed = np.zeros((*lanes.shape[:-2], LANES), dtype=np.uint8)
+    for k in range(8 // bits):
+        packed |= lanes[..., k, :] << (bits * k)
+    return packed
+
+
+def unpack_planar(packed: np.ndarray, bits: int) -> np.ndarray:
+    """``pack_planar``'s inverse: bytes ``(..., units, 16)`` to codes ``(..., units * span)``."""
+    shifts = (np.arange(8 // bits, dtype=np.uint8) * bits)[:, None]
+    lanes = (packed[..., None, :] >> shifts) & ((1 << bits) - 1)
+    return lanes.reshape(*packed.shape[:-2], -1)

@@ -33,6 +33,7 @@ class CodecId(enum.IntEnum):
     SPARSE = 8
     NAIVE_INT4 = 9
     INT8S = 10
+    KVMIX = 11
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ class Codec(Protocol):
     lossless: ClassVar[bool]
     loss_rank: ClassVar[int]
     """How much the codec loses: 0 exact, higher is lossier (fp16/bf16 1, int8 2, KIVI 4-bit 3,
-    KIVI 2-bit 4, sparse and naive int4 5). A session attends only to stored blocks no lossier than
+    kvmix 4, KIVI 2-bit 5, sparse and naive int4 6). A session attends only to stored blocks no lossier than
     its class allows (``CodecLadder.max_loss_rank``); a block is never re-encoded to a codec of a
     lower or equal rank."""
 

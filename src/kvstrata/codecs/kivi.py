@@ -174,6 +174,6 @@ class Kivi4Codec(_KiviCodec):
 class Kivi2Codec(_KiviCodec):
     codec_id: ClassVar[CodecId] = CodecId.KIVI2
     name: ClassVar[str] = "kivi2"
-    loss_rank: ClassVar[int] = 4
+    loss_rank: ClassVar[int] = 5
     bits: ClassVar[int] = 2
     record: ClassVar[ParamsRecord] = ParamsRecord("kivi2", _PARAMS_VERSION, _PARAMS_FIELDS)

@@ -47,7 +47,7 @@ _BITS = 4
 class NaiveInt4Codec:
     codec_id: ClassVar[CodecId] = CodecId.NAIVE_INT4
     name: ClassVar[str] = "naive_int4"
-    loss_rank: ClassVar[int] = 5
+    loss_rank: ClassVar[int] = 6
     lossless: ClassVar[bool] = False
 
     def encode(self, kv: torch.Tensor, ctx: BlockContext = DEFAULT_CONTEXT) -> EncodedBlock:

@@ -1,7 +1,7 @@
 """Resident pages: the encoded form of a block that device memory (L1) and a running request's
 cache both hold, and that attention reads where it lies.
 
-A block of a page codec (``int8s``, ``kivi4``, ``kivi2``) is, for each (layer, head) in that
+A block of a page codec (``int8s``, ``kivi4``, ``kivi2``, ``kvmix``) is, for each (layer, head) in that
 order, one page of ``PageSpec.nbytes`` bytes; the block's pages are one run of
 ``layers * heads * nbytes`` bytes. A request's cache keeps the pages of its encoded blocks one
 after the other in one byte arena, with a page table of one row per block
@@ -25,6 +25,8 @@ codes) with no horizontal sum per token; values lie token by token, as a weighte
   ``code * scale[d] + zero[d]``, a value ``code * scale[t] + zero[t]``. The record packs the same
   codes in (token, channel) order, two or four to a byte: :func:`to_pages` and :func:`from_pages`
   repack them (no value changes; nothing is requantized).
+- ``kvmix``: keys at 4 or 2 bits by channel (in the page's channel order), values at 2 bits
+  after a Hadamard rotation (:mod:`kvstrata.codecs.kvmix`); its record is its pages, as int8s'.
 
 What cannot be held as pages (a codec with no page layout, such as ``sparse`` or ``lossless``; a
 KIVI block holding the sequence's sink tokens verbatim; a head_dim or group the kernel's vectors
@@ -38,20 +40,36 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstrata.codecs import int8s
-from kvstrata.codecs._quant import SCALE_BYTES, pack_codes, packed_nbytes, unpack_codes
+from kvstrata.codecs import int8s, kvmix
+from kvstrata.codecs._bytes import expect_length
+from kvstrata.codecs._quant import (
+    LANES,
+    SCALE_BYTES,
+    pack_codes,
+    pack_planar,
+    packed_nbytes,
+    planar_span,
+    unpack_codes,
+    unpack_planar,
+)
 from kvstrata.codecs.base import CodecId, EncodedBlock
 from kvstrata.codecs.int8s import Int8SymCodec
 from kvstrata.codecs.kivi import Kivi2Codec, Kivi4Codec
 from kvstrata.errors import CorruptBlockError
 from kvstrata.layout import KVLayout
 
-PAGE_CODECS: dict[CodecId, str] = {CodecId.INT8S: "int8s", CodecId.KIVI4: "kivi4", CodecId.KIVI2: "kivi2"}
+PAGE_CODECS: dict[CodecId, str] = {
+    CodecId.INT8S: "int8s",
+    CodecId.KIVI4: "kivi4",
+    CodecId.KIVI2: "kivi2",
+    CodecId.KVMIX: "kvmix",
+}
 """The codecs whose blocks device memory holds encoded (each a page layout, read in place)."""
+_RECORD_IS_PAGES = (CodecId.INT8S, CodecId.KVMIX)
+"""Codecs whose record (without sinks) is its pages as they are."""
 TABLE_COLUMNS = 4
 """A page table row: codec id, byte offset of the block's pages in the arena, tokens, group."""
 _KIVI: dict[CodecId, type[Kivi4Codec | Kivi2Codec]] = {CodecId.KIVI4: Kivi4Codec, CodecId.KIVI2: Kivi2Codec}
-_LANES = 16  # floats in one of the kernel's vectors: a group spans whole vectors
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,8 @@ class PageSpec:
         """Bytes of one (layer, head) page."""
         if self.codec is CodecId.INT8S:
             return int8s.page_nbytes(self.tokens, self.head_dim, self.group)
+        if self.codec is CodecId.KVMIX:
+            return kvmix.page_nbytes(self.tokens, self.head_dim, self.group)
         return sum(_kivi_parts(self))
 
     def block_nbytes(self, layout: KVLayout) -> int:
@@ -86,9 +106,11 @@ def can_page(codec: CodecId | int, head_dim: int, group: int | None = None) -> b
         codec = CodecId(codec)
     except ValueError:
         return False
-    if codec not in PAGE_CODECS or head_dim % _LANES:
+    if codec not in PAGE_CODECS or head_dim % LANES:
         return False
-    span = _LANES * 8 // (_KIVI[codec].bits if codec in _KIVI else 8)  # channels one vector's codes hold
+    if codec is CodecId.KVMIX:
+        return kvmix.fits(head_dim, group)
+    span = LANES * 8 // (_KIVI[codec].bits if codec in _KIVI else 8)  # channels one vector's codes hold
     group = min(group or 64, head_dim)
     return head_dim % span == 0 and group % span == 0 and head_dim % group == 0
 
@@ -101,6 +123,14 @@ def page_spec(block: EncodedBlock, layout: KVLayout) -> PageSpec | None:
         if not can_page(block.codec, layout.head_dim, group):
             return None
         return PageSpec(CodecId.INT8S, block.num_tokens, group, layout.head_dim)
+    if block.codec == CodecId.KVMIX:
+        _, sinks, group = kvmix.RECORD.unpack(block.params)
+        if sinks or not can_page(CodecId.KVMIX, layout.head_dim, group) or group > layout.head_dim:
+            return None
+        spec = PageSpec(CodecId.KVMIX, block.num_tokens, group, layout.head_dim)
+        expect_length("payload", len(block.payload), spec.block_nbytes(layout), "kvmix")
+        kvmix.check_orders(np.frombuffer(block.payload, dtype=np.uint8), layout.head_dim, spec.nbytes)
+        return spec
     if block.codec not in _KIVI:
         return None
     codec = _KIVI[CodecId(block.codec)]()
@@ -120,7 +150,7 @@ def to_pages(block: EncodedBlock, spec: PageSpec, layout: KVLayout) -> np.ndarra
     """The block's pages as uint8 ``(layers * heads * spec.nbytes,)``: a view of the payload for
     int8s (read-only), the record's parts regrouped by (layer, head) and repacked for KIVI."""
     raw = np.frombuffer(block.payload, dtype=np.uint8)
-    if spec.codec is CodecId.INT8S:
+    if spec.codec in _RECORD_IS_PAGES:
         return raw
     runs, tokens, dim, bits = layout.num_layers * layout.num_kv_heads, spec.tokens, spec.head_dim, _bits(spec)
     half = runs * tokens * dim
@@ -134,8 +164,8 @@ def to_pages(block: EncodedBlock, spec: PageSpec, layout: KVLayout) -> np.ndarra
         scales.append(raw[start : start + runs * size].reshape(runs, size))
         start += runs * size
     columns = [
-        _pack_planar(keys, bits).reshape(runs, k_codes),
-        _pack_planar(values, bits).reshape(runs, v_codes),
+        pack_planar(keys, bits).reshape(runs, k_codes),
+        pack_planar(values, bits).reshape(runs, v_codes),
     ]
     return np.concatenate(columns + scales, axis=1).reshape(-1)
 
@@ -149,14 +179,17 @@ def from_pages(pages: np.ndarray | torch.Tensor, spec: PageSpec, layout: KVLayou
     if spec.codec is CodecId.INT8S:
         params = Int8SymCodec.record_params(source, spec.group)
         return EncodedBlock(CodecId.INT8S, params, raw.tobytes(), spec.tokens)
+    if spec.codec is CodecId.KVMIX:
+        params = kvmix.KvmixCodec.record_params(source, spec.group)
+        return EncodedBlock(CodecId.KVMIX, params, raw.tobytes(), spec.tokens)
     runs, tokens, dim, bits = layout.num_layers * layout.num_kv_heads, spec.tokens, spec.head_dim, _bits(spec)
     by_run = raw.reshape(runs, spec.nbytes)
     parts, start = [], 0
     for size in _kivi_parts(spec):
         parts.append(by_run[:, start : start + size])
         start += size
-    keys = _unpack_planar(parts[0].reshape(runs, dim, -1, 16), bits)[:, :, :tokens].transpose(0, 2, 1)
-    values = _unpack_planar(parts[1].reshape(runs, tokens, -1, 16), bits)
+    keys = unpack_planar(parts[0].reshape(runs, dim, -1, 16), bits)[:, :, :tokens].transpose(0, 2, 1)
+    values = unpack_planar(parts[1].reshape(runs, tokens, -1, 16), bits)
     codes = torch.from_numpy(np.concatenate([keys.reshape(-1), values.reshape(-1)]))
     payload = [pack_codes(codes, bits)] + [np.ascontiguousarray(part).tobytes() for part in parts[2:]]
     params = _KIVI[spec.codec].record.pack(source, 0, spec.tokens, spec.group)
@@ -167,40 +200,15 @@ def _bits(spec: PageSpec) -> int:
     return _KIVI[spec.codec].bits
 
 
-def _span(bits: int) -> int:
-    """Elements one 16-byte unit of planar codes holds."""
-    return _LANES * 8 // bits
-
-
 def _kivi_parts(spec: PageSpec) -> list[int]:
     """Byte sizes of a KIVI page's parts: K codes, V codes, K scales, K zeros, V scales, V zeros."""
     bits, tokens, dim = _bits(spec), spec.tokens, spec.head_dim
-    span = _span(bits)
-    key_codes = dim * -(-tokens // span) * _LANES
-    value_codes = tokens * dim // span * _LANES
+    span = planar_span(bits)
+    key_codes = dim * -(-tokens // span) * LANES
+    value_codes = tokens * dim // span * LANES
     keys = dim * SCALE_BYTES
     values = tokens * (dim // spec.group) * SCALE_BYTES
     return [key_codes, value_codes, keys, keys, values, values]
-
-
-def _pack_planar(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes ``(..., n)`` (n padded with zeros to a unit) packed planar: ``(..., units, 16)`` bytes."""
-    span = _span(bits)
-    pad = (-codes.shape[-1]) % span
-    if pad:
-        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], pad), dtype=codes.dtype)], axis=-1)
-    lanes = codes.reshape(*codes.shape[:-1], -1, 8 // bits, _LANES).astype(np.uint8)
-    packed = np.zeros((*lanes.shape[:-2], _LANES), dtype=np.uint8)
-    for k in range(8 // bits):
-        packed |= lanes[..., k, :] << (bits * k)
-    return packed
-
-
-def _unpack_planar(packed: np.ndarray, bits: int) -> np.ndarray:
-    """``_pack_planar``'s inverse: bytes ``(..., units, 16)`` to codes ``(..., units * span)``."""
-    shifts = (np.arange(8 // bits, dtype=np.uint8) * bits)[:, None]
-    lanes = (packed[..., None, :] >> shifts) & ((1 << bits) - 1)
-    return lanes.reshape(*packed.shape[:-2], -1)
 
 
 def dequantize(pages: torch.Tensor, spec: PageSpec) -> torch.Tensor:
@@ -208,13 +216,15 @@ def dequantize(pages: torch.Tensor, spec: PageSpec) -> torch.Tensor:
     contiguous), with the codecs' own arithmetic (their ``decode`` gives the same bits)."""
     if spec.codec is CodecId.INT8S:
         return int8s.dequantize_pages(pages, spec.tokens, spec.head_dim, spec.group)
+    if spec.codec is CodecId.KVMIX:
+        return kvmix.dequantize_pages(pages, spec.tokens, spec.head_dim, spec.group)
     layers, heads = pages.shape[0], pages.shape[1]
     tokens, dim, bits = spec.tokens, spec.head_dim, _bits(spec)
     kc, vc, ks, kz, vs, vz = pages.split(_kivi_parts(spec), dim=-1)
     shifts = (torch.arange(0, 8, bits, dtype=torch.uint8)).view(-1, 1)
 
     def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
-        units = packed.reshape(layers, heads, rows, -1, 1, _LANES)
+        units = packed.reshape(layers, heads, rows, -1, 1, LANES)
         return ((units >> shifts) & ((1 << bits) - 1)).reshape(layers, heads, rows, -1)
 
     def half(part: torch.Tensor, *shape: int) -> torch.Tensor:

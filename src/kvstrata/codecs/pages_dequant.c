@@ -4,7 +4,8 @@
  *
  * The arithmetic is the codecs' own, with the same bits as their torch decode: int8s
  * `code * scale`; KIVI `code * scale + zero`, the product rounded to float32, then the sum (two
- * intrinsics, never fused). Keys lie channel by channel in a page and are written token by token
+ * intrinsics, never fused); kvmix as KIVI, its values then turned back by the fast Walsh-Hadamard
+ * transform in kvstrata/codecs/kvmix.py's order of butterflies, times 1 / sqrt(head_dim). Keys lie channel by channel in a page and are written token by token
  * with scatters of 16 tokens; values lie token by token.
  *
  * table: pages x 4 int64 (codec id, byte offset of the block's pages in `arena`, tokens, group),
@@ -17,7 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { KIVI4 = 5, KIVI2 = 6, INT8S = 10, LANES = 16 };
+enum { KIVI4 = 5, KIVI2 = 6, INT8S = 10, KVMIX = 11, LANES = 16 };
 
 int kvs_pages_supported(void) {
     __builtin_cpu_init();
@@ -25,13 +26,19 @@ int kvs_pages_supported(void) {
 }
 
 static int64_t key_tokens(int64_t codec, int64_t tokens) {
-    int64_t span = codec == INT8S ? LANES : codec == KIVI4 ? 2 * LANES : 4 * LANES;
+    int64_t span = codec == INT8S ? LANES : codec == KIVI4 ? 2 * LANES : 4 * LANES; /* kvmix: as KIVI2 */
     return (tokens + span - 1) / span * span;
 }
+
+/* key channels a kvmix page holds at 4 bits */
+static int64_t mix_wide(int64_t dim) { return dim * 3 / 8; }
 
 int64_t kvs_page_nbytes(int64_t codec, int64_t tokens, int64_t group, int64_t dim) {
     int64_t padded = key_tokens(codec, tokens), per_token = dim / group;
     if (codec == INT8S) return (padded + tokens) * dim + (padded + tokens) * per_token * 2;
+    if (codec == KVMIX)
+        return dim + mix_wide(dim) * padded / 2 + (dim - mix_wide(dim)) * padded / 4 + tokens * dim / 4 + 4 * dim +
+               2 * tokens * per_token * 2;
     int64_t per_byte = codec == KIVI4 ? 2 : 4;
     return (padded + tokens) * dim / per_byte + 2 * dim * 2 + 2 * tokens * per_token * 2;
 }
@@ -158,6 +165,60 @@ TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens,
         }
 }
 
+/* kvstrata/codecs/kvmix.py: keys in the page's channel order, the first mix_wide(dim) 4-bit;
+ * values 2-bit of the rotated values, each token's row turned back */
+TARGET static void kvmix_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, Rows ok, Rows ov) {
+    const int64_t wide = mix_wide(dim), tp = key_tokens(KVMIX, tokens), per_token = dim / group;
+    const uint8_t *order = base, *kw = base + dim, *kn = kw + wide * tp / 2;
+    const uint8_t *vc = kn + (dim - wide) * tp / 4, *ks = vc + tokens * dim / 4, *kz = ks + 2 * dim;
+    const uint8_t *vs = kz + 2 * dim, *vz = vs + tokens * per_token * 2;
+    const __m512i mask4 = _mm512_set1_epi32(15), mask2 = _mm512_set1_epi32(3);
+    KeyTile tile;
+    for (int64_t first = 0; first < tokens; first += LANES) {
+        const int64_t t = first / 64 * 64, k = (first - t) / LANES; /* vector k of the 64 tokens from t */
+        const __mmask16 valid = lanes_below(tokens - first);
+        for (int64_t j = 0; j < dim; ++j) {
+            const __m512 s = _mm512_set1_ps(half_at(ks, j)), z = _mm512_set1_ps(half_at(kz, j));
+            __m512i code;
+            if (j < wide) {
+                const uint8_t *unit = kw + j * (tp / 2) + t / 2 + (k / 2) * LANES;
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)unit));
+                code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(4 * (k % 2))), mask4);
+            } else {
+                const uint8_t *unit = kn + (j - wide) * (tp / 4) + t / 4;
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)unit));
+                code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(2 * k)), mask2);
+            }
+            tile_put(&tile, order[j], valid, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z));
+        }
+        tile_out(&tile, ok, first, tokens - first < LANES ? tokens - first : LANES, dim);
+    }
+    const float norm = 1.0f / __builtin_sqrtf((float)dim);
+    float row[TILE_DIM] __attribute__((aligned(64)));
+    for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t u = 0; u < dim / 64; ++u) {
+            const int64_t vg = u * 64 / group;
+            const __m512 s = _mm512_set1_ps(half_at(vs, t * per_token + vg));
+            const __m512 z = _mm512_set1_ps(half_at(vz, t * per_token + vg));
+            const __m512i bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vc + t * (dim / 4) + u * LANES)));
+            for (int k = 0; k < 4; ++k) {
+                const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(2 * k)), mask2);
+                _mm512_storeu_ps(row + u * 64 + k * LANES, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), s), z));
+            }
+        }
+        for (int64_t len = 1; len < dim; len *= 2)
+            for (int64_t i = 0; i < dim; i += 2 * len)
+                for (int64_t j = i; j < i + len; ++j) {
+                    const float a = row[j], b = row[j + len];
+                    row[j] = a + b;
+                    row[j + len] = a - b;
+                }
+        for (int64_t d = 0; d < dim; d += LANES)
+            put16(ov, t, d, _mm512_mul_ps(_mm512_loadu_ps(row + d), _mm512_set1_ps(norm)));
+    }
+}
+
 TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_t pages, int64_t layer,
                               int64_t heads, int64_t dim, void *out_k, void *out_v, int64_t head_stride,
                               int64_t token_stride, int64_t bf16) {
@@ -174,6 +235,8 @@ TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_
             const Rows ov = {(char *)out_v + at, token_stride, (int)bf16};
             if (codec == INT8S)
                 int8s_page(base, tokens, group, dim, ok, ov);
+            else if (codec == KVMIX)
+                kvmix_page(base, tokens, group, dim, ok, ov);
             else
                 kivi_page(base, codec, tokens, group, dim, ok, ov);
         }

@@ -57,7 +57,7 @@ _FRACTION_SLACK = 1e-9
 class SparseCodec:
     codec_id: ClassVar[CodecId] = CodecId.SPARSE
     name: ClassVar[str] = "sparse"
-    loss_rank: ClassVar[int] = 5
+    loss_rank: ClassVar[int] = 6
     lossless: ClassVar[bool] = False
 
     fraction: float = 0.1

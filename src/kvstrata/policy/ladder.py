@@ -3,8 +3,8 @@
 A realtime agent keeps exact KV everywhere; an interactive one is held as int8s in device memory
 (L1) and int8 below it; a background one as KIVI 4-bit; sessions idle for days are re-encoded
 to KIVI 2-bit when ``gc`` moves them to ``cold/``. L1 holds a lossy class's blocks encoded, as
-pages attention reads in place (``kvstrata.codecs.pages``: identity, int8s, kivi4 and kivi2
-can sit there; a ladder naming another codec for L1 is refused), so the same device memory
+pages attention reads in place (``kvstrata.codecs.pages``: identity, int8s, kivi4, kivi2 and
+kvmix can sit there; a ladder naming another codec for L1 is refused), so the same device memory
 holds more agents of the lower classes.
 
 A session's most recent ``recent_blocks`` full blocks and its tail stay exact (the KIVI

@@ -2,7 +2,7 @@
 // grouped by the key/value head they share) against that row's own keys and values, all rows in
 // one call, in float32 arithmetic. A row's history is its exact tokens (float32 or bfloat16) and,
 // optionally, encoded blocks held as resident pages (kvstrata/codecs/pages.py: int8s, kivi4,
-// kivi2), which are dequantized inside the loops here, never into a buffer. Built on first use by
+// kivi2, kvmix), which are dequantized inside the loops here, never into a buffer. Built on first use by
 // kvstrata/engine/batch/decode_kernel.py (see its docstring for why and for the measurements);
 // that module falls back to torch where this is not built.
 //
@@ -34,7 +34,7 @@ constexpr int kChains = 4;  // independent sums of an int8s page's scores (a sca
 static_assert(kChains == 4, "int8s_scores adds the chains up as two pairs");
 
 // page codecs: kvstrata.codecs.base.CodecId
-constexpr int64_t kKivi4 = 5, kKivi2 = 6, kInt8s = 10;
+constexpr int64_t kKivi4 = 5, kKivi2 = 6, kInt8s = 10, kKvmix = 11;
 constexpr int64_t kTableColumns = 4;  // codec, byte offset, tokens, group
 
 #pragma GCC push_options
@@ -180,16 +180,24 @@ struct Page {
   const unsigned char* base;
 };
 
+// Key channels a kvmix page holds at 4 bits (the widest 3/8), the rest at 2.
+inline int64_t mix_wide(int64_t dim) { return dim * 3 / 8; }
+
 // bytes of one (layer, head) page
 // Tokens a page's keys are padded to (int8s: whole vectors; kivi: whole 16-byte units of codes).
 inline int64_t key_tokens(int64_t codec, int64_t tokens) {
-  const int64_t span = codec == kInt8s ? kLanes : codec == kKivi4 ? 2 * kLanes : 4 * kLanes;
+  const int64_t span = codec == kInt8s ? kLanes : codec == kKivi4 ? 2 * kLanes : 4 * kLanes;  // kvmix: as kivi2
   return (tokens + span - 1) / span * span;
 }
 
 inline int64_t page_nbytes(int64_t codec, int64_t tokens, int64_t group, int64_t dim) {
   const int64_t padded = key_tokens(codec, tokens), per_token = dim / group;
   if (codec == kInt8s) return (padded + tokens) * dim + (padded + tokens) * per_token * 2;
+  if (codec == kKvmix) {  // kvstrata/codecs/kvmix.py: order, wide and narrow key codes, values, scales
+    const int64_t wide = mix_wide(dim);
+    return dim + wide * padded / 2 + (dim - wide) * padded / 4 + tokens * dim / 4 + 4 * dim +
+           2 * tokens * per_token * 2;
+  }
   const int64_t per_byte = codec == kKivi4 ? 2 : 4;
   return (padded + tokens) * dim / per_byte + 2 * dim * 2 + 2 * tokens * per_token * 2;
 }
@@ -345,13 +353,22 @@ struct Attend {
   template <int Bits>
   void kivi_values(v16 (&acc)[kMaxGroup][kMaxChunks], const Page& p, const float* w,
                    int64_t padded) const {
+    const int dim = (FixedChunks ? FixedChunks : run_chunks) * kLanes;
+    constexpr int per_byte = 8 / Bits;
+    const int64_t tp = key_tokens(Bits == 4 ? kKivi4 : kKivi2, p.tokens);
+    const unsigned char* codes = p.base + dim * tp / per_byte;
+    const unsigned char* vscale = codes + p.tokens * dim / per_byte + 4 * dim;
+    token_values<Bits>(acc, p, codes, vscale, w, padded);
+  }
+
+  // Values quantized per token, `codes` then (after the keys' scales) `vscale` and the zeros.
+  template <int Bits>
+  void token_values(v16 (&acc)[kMaxGroup][kMaxChunks], const Page& p, const unsigned char* codes,
+                    const unsigned char* vscale, const float* w, int64_t padded) const {
     const int groups = FixedGroups ? FixedGroups : run_groups, chunks = FixedChunks ? FixedChunks : run_chunks;
     constexpr int per_byte = 8 / Bits, span = kLanes * per_byte, mask = (1 << Bits) - 1;
     const int dim = chunks * kLanes, units = dim / span;
     const int per_token = dim / p.group;  // value groups per token
-    const int64_t tp = key_tokens(Bits == 4 ? kKivi4 : kKivi2, p.tokens);
-    const unsigned char* codes = p.base + dim * tp / per_byte;
-    const unsigned char* vscale = codes + p.tokens * dim / per_byte + 4 * dim;
     const unsigned char* vzero = vscale + p.tokens * per_token * 2;
     float zsum[kMaxGroup][kMaxChunks];
     for (int g = 0; g < groups; ++g)
@@ -377,6 +394,86 @@ struct Attend {
       for (int c = 0; c < chunks; ++c) acc[g][c] += zsum[g][c * kLanes / p.group];
   }
 
+  // Scores of a kvmix page: keys per channel as KIVI's, in the page's channel order (the query
+  // permuted to it once), the first mix_wide(dim) channels' codes 4-bit, the others 2-bit; 64
+  // tokens at a time (a unit of 2-bit codes, two of 4-bit ones).
+  void mix_scores(const float* q, const Page& p, float* scores, int64_t padded) const {
+    const int groups = FixedGroups ? FixedGroups : run_groups, chunks = FixedChunks ? FixedChunks : run_chunks;
+    const int dim = chunks * kLanes, wide = static_cast<int>(mix_wide(dim));
+    const int64_t tp = key_tokens(kKvmix, p.tokens);
+    const unsigned char* order = p.base;
+    const unsigned char* wide_codes = order + dim;
+    const unsigned char* narrow_codes = wide_codes + wide * tp / 2;
+    const unsigned char* kscale = narrow_codes + (dim - wide) * tp / 4 + p.tokens * dim / 4;
+    alignas(64) float s[kMaxHeadDim], z[kMaxHeadDim], qs[kMaxGroup * kMaxHeadDim];
+    halves_to_floats(kscale, dim, s);
+    halves_to_floats(kscale + 2 * dim, dim, z);
+    float qz[kMaxGroup];
+    for (int g = 0; g < groups; ++g) {
+      float dot = 0.0f;
+      for (int j = 0; j < dim; ++j) {
+        const float qj = q[g * dim + order[j]];
+        qs[g * dim + j] = qj * s[j];
+        dot += qj * z[j];
+      }
+      qz[g] = dot;
+    }
+    for (int64_t t = 0; t < p.tokens; t += 4 * kLanes) {
+      v16 acc[kMaxGroup][4];
+      for (int g = 0; g < groups; ++g)
+        for (int k = 0; k < 4; ++k) acc[g][k] = v16{};
+      for (int j = 0; j < wide; ++j) {
+        for (int u = 0; u < 2; ++u) {  // tokens t + 32 u .. + 31
+          const v16i bytes = load_u8(wide_codes + j * tp / 2 + t / 2 + u * kLanes);
+          for (int k = 0; k < 2; ++k) {
+            const v16 x = to_float((bytes >> (4 * k)) & 15);
+            for (int g = 0; g < groups; ++g) acc[g][2 * u + k] += qs[g * dim + j] * x;
+          }
+        }
+      }
+      for (int j = wide; j < dim; ++j) {
+        const v16i bytes = load_u8(narrow_codes + (j - wide) * tp / 4 + t / 4);
+        for (int k = 0; k < 4; ++k) {
+          const v16 x = to_float((bytes >> (2 * k)) & 3);
+          for (int g = 0; g < groups; ++g) acc[g][k] += qs[g * dim + j] * x;
+        }
+      }
+      for (int k = 0; k < 4; ++k) {
+        const int64_t first = t + k * kLanes;
+        if (first >= p.tokens) break;
+        const __mmask16 valid = lanes_below(p.tokens - first);
+        for (int g = 0; g < groups; ++g) store_masked(scores + g * padded + first, valid, acc[g][k] + qz[g]);
+      }
+    }
+  }
+
+  // Rotated values of a kvmix page, added to `rotated` (turned back once per query, in run()).
+  void mix_values(v16 (&rotated)[kMaxGroup][kMaxChunks], const Page& p, const float* w, int64_t padded) const {
+    const int dim = (FixedChunks ? FixedChunks : run_chunks) * kLanes;
+    const int64_t wide = mix_wide(dim), tp = key_tokens(kKvmix, p.tokens);
+    const unsigned char* codes = p.base + dim + wide * tp / 2 + (dim - wide) * tp / 4;
+    token_values<2>(rotated, p, codes, codes + p.tokens * dim / 4 + 4 * dim, w, padded);
+  }
+
+  // acc += H x for each query, H the normalised Hadamard matrix (a fast Walsh-Hadamard transform)
+  void unrotate(v16 (&acc)[kMaxGroup][kMaxChunks], v16 (&x)[kMaxGroup][kMaxChunks]) const {
+    const int groups = FixedGroups ? FixedGroups : run_groups, chunks = FixedChunks ? FixedChunks : run_chunks;
+    const int dim = chunks * kLanes;
+    const float norm = 1.0f / std::sqrt(static_cast<float>(dim));
+    alignas(64) float h[kMaxHeadDim];
+    for (int g = 0; g < groups; ++g) {
+      for (int c = 0; c < chunks; ++c) store16(h + c * kLanes, x[g][c]);
+      for (int len = 1; len < dim; len *= 2)
+        for (int i = 0; i < dim; i += 2 * len)
+          for (int j = i; j < i + len; ++j) {
+            const float a = h[j], b = h[j + len];
+            h[j] = a + b;
+            h[j + len] = a - b;
+          }
+      for (int c = 0; c < chunks; ++c) acc[g][c] += load16(h + c * kLanes) * norm;
+    }
+  }
+
   void run(const float* q, const Item& it, float scale, float* scores, float* out) const {
     const int groups = FixedGroups ? FixedGroups : run_groups, chunks = FixedChunks ? FixedChunks : run_chunks;
     constexpr bool bf16 = BF16;
@@ -399,6 +496,7 @@ struct Attend {
       if (i + 1 < it.num_pages) prefetch_page(it.pages[i + 1], dim);
       if (p.codec == kInt8s) int8s_scores(qscaled, p, scores + t0, padded);
       else if (p.codec == kKivi4) kivi_scores<4>(qscaled, p, scores + t0, padded);
+      else if (p.codec == kKvmix) mix_scores(qscaled, p, scores + t0, padded);
       else kivi_scores<2>(qscaled, p, scores + t0, padded);
       t0 += p.tokens;
     }
@@ -458,13 +556,22 @@ struct Attend {
     for (int g = 0; g < groups; ++g)
       for (int c = 0; c < chunks; ++c) acc[g][c] = v16{};
     t0 = 0;
+    bool rotated_pages = false;
+    v16 rotated[kMaxGroup][kMaxChunks];
     for (int64_t i = 0; i < it.num_pages; ++i) {
       const Page& p = it.pages[i];
+      if (p.codec == kKvmix && !rotated_pages) {
+        rotated_pages = true;
+        for (int g = 0; g < groups; ++g)
+          for (int c = 0; c < chunks; ++c) rotated[g][c] = v16{};
+      }
       if (p.codec == kInt8s) int8s_values(acc, p, scores + t0, padded);
       else if (p.codec == kKivi4) kivi_values<4>(acc, p, scores + t0, padded);
+      else if (p.codec == kKvmix) mix_values(rotated, p, scores + t0, padded);
       else kivi_values<2>(acc, p, scores + t0, padded);
       t0 += p.tokens;
     }
+    if (rotated_pages) unrotate(acc, rotated);
     for (int64_t t = 0; t < it.exact; ++t) {
       prefetch_bytes(static_cast<const char*>(it.v) + (t + kAhead) * it.vstride * element, dim * element);
       for (int c = 0; c < chunks; ++c) {
@@ -510,6 +617,9 @@ void attend(const float* q, const Item& it, int groups, int chunks, bool bf16, f
 // a step's calls 7.50 against 7.47 ms, alternated. The loops wait on memory, not on arithmetic.
 
 bool page_fits(int64_t codec, int64_t group, int64_t dim) {
+  if (codec == kKvmix)  // kvstrata/codecs/kvmix.py: fits()
+    return (dim & (dim - 1)) == 0 && dim >= 64 && dim <= kMaxHeadDim && group % 64 == 0 && group >= 64 &&
+           dim % group == 0;
   if (codec != kInt8s && codec != kKivi4 && codec != kKivi2) return false;
   const int64_t span = codec == kInt8s ? kLanes : codec == kKivi4 ? 2 * kLanes : 4 * kLanes;
   return group >= 1 && dim % span == 0 && group % span == 0 && dim % group == 0;
@@ -669,7 +779,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512 and F16C).");
   // the arguments are converted first; the GIL is then released, as torch's own operators do
   m.def("decode_attention", &decode_attention,
-        "Decode rows' attention (fp32 or bf16 exact KV, int8s / kivi4 / kivi2 pages), on CPU.",
+        "Decode rows' attention (fp32 or bf16 exact KV, int8s / kivi4 / kivi2 / kvmix pages), on CPU.",
         py::arg("query"), py::arg("keys"), py::arg("values"), py::arg("scale"),
         py::arg("arenas") = std::vector<at::Tensor>(), py::arg("tables") = std::vector<at::Tensor>(),
         py::arg("layer") = 0, py::arg("num_layers") = 1, py::arg("masses") = std::vector<at::Tensor>(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstrata import codecs
-from kvstrata.codecs import Codec, Kivi2Codec, Kivi4Codec, loss_rank
+from kvstrata.codecs import Codec, Kivi2Codec, Kivi4Codec, KvmixCodec, loss_rank
 from kvstrata.codecs.pages import can_page
 from kvstrata.keys import BlockKey
 from kvstrata.layout import KVLayout
@@ -119,7 +119,7 @@ class Encodings:
     def l1_codec(self, key: BlockKey, start_pos: int) -> Codec:
         """The codec device memory holds ``key`` in: its class's L1 codec (by its grade where the
         rung is graded: the first block, holding the attention sinks, then stays exact), but
-        int8s for a block holding the sequence's first tokens where that codec is KIVI (its
+        int8s for a block holding the sequence's first tokens where that codec is KIVI or kvmix (its
         verbatim sinks are no pages attention reads; a request's cache keeps them exact)."""
         stats = self._stats.get(key)
         if stats is None or stats.recent:
@@ -128,7 +128,7 @@ class Encodings:
         if self.ladder.graded(priority) and start_pos == 0:
             return self.codec("identity")
         codec = self.codec(self.ladder.l1_codec(priority, stats.grade))
-        if isinstance(codec, Kivi4Codec | Kivi2Codec) and start_pos < codec.sink_tokens:
+        if isinstance(codec, Kivi4Codec | Kivi2Codec | KvmixCodec) and start_pos < codec.sink_tokens:
             codec = self.codec("int8s")
         if codec.loss_rank > 0 and not can_page(codec.codec_id, self.layout.head_dim):
             # no pages of this head dim for attention to read: held decoded it would save nothing

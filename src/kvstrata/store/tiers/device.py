@@ -1,6 +1,6 @@
 """L1: the device memory all agents share, each block held in its class's precision.
 
-A block given encoded in a page codec (``int8s``, ``kivi4``, ``kivi2``: see
+A block given encoded in a page codec (``int8s``, ``kivi4``, ``kivi2``, ``kvmix``: see
 :mod:`kvstrata.codecs.pages`) is kept as its pages, the bytes attention reads in place; any other
 block is kept decoded, a tensor of the layout's dtype. So one budget holds more blocks of an
 interactive agent (int8s: 1.94x the 16-bit blocks) and more again of a background one (KIVI-4:
