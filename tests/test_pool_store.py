@@ -66,6 +66,23 @@ def test_l1_holds_a_lossy_class_in_its_codec_and_stats_say_so(
     assert layout.bytes_per_block / per_block == pytest.approx(sixteen_bit / per_block * layout.itemsize / 2)
 
 
+@pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
+def test_l1_holds_kvmix_blocks_over_five_times_smaller_than_16_bit_ones(
+    open_store: Factory, layout: KVLayout
+) -> None:
+    ladder = CodecLadder(background=Rung("kivi4", "kivi4", "kvmix"), recent_blocks=1)
+    store = open_store(
+        layout=layout, ladder=ladder, l1_budget_bytes=64 * layout.bytes_per_block, l2_budget_bytes=0
+    )
+    _fill(store, "background", sessions=2, blocks=6, layout=layout)
+    tier = _l1(store)
+    # the first blocks hold the sinks verbatim (int8s there, as for KIVI), the newest stay exact
+    assert tier.blocks_by_codec == {"kvmix": 8, "int8s": 2, "identity": 2}  # type: ignore[attr-defined]
+    per_block = tier.bytes_by_codec["kvmix"] / 8  # type: ignore[attr-defined]
+    assert per_block == layout.num_layers * layout.num_kv_heads * 3008
+    assert layout.bytes_per_block // layout.itemsize * 2 / per_block >= 5.0
+
+
 @pytest.mark.parametrize(("priority", "least"), [("interactive", 1.9), ("background", 3.2)])
 def test_one_budget_keeps_more_blocks_of_a_lossy_class_resident(
     open_store: Factory, tmp_path: object, priority: str, least: float
@@ -202,6 +219,26 @@ def test_one_agents_blocks_are_held_by_grade_sinks_and_recent_exact(open_store: 
     assert len(set(held)) == 4  # exact, int8s, kivi4, kivi2: one agent at four precisions
     counts = _l1(store).blocks_by_codec  # type: ignore[attr-defined]
     assert sum(counts.values()) == 8 and set(counts) == {"identity", "int8s", "kivi4", "kivi2"}
+
+
+def test_the_default_graded_rung_holds_the_top_block_kivi4_and_the_rest_kvmix(open_store: Factory) -> None:
+    ladder = CodecLadder(background=Rung("kivi4", "kivi4", "graded"), recent_blocks=1)
+    store = open_store(
+        layout=FP32, ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
+    session = store.create_session("graded", priority="background")
+    mass = [0.05, 0.01, 0.02, 0.9, 0.04, 0.03, 0.2, 0.3]
+    tokens = [i % 997 for i in range(8 * 64)]
+    kv = token_kv(FP32, tokens)
+    for b in range(8):
+        store.append(session, tokens[b * 64 : (b + 1) * 64], kv[:, :, :, b * 64 : (b + 1) * 64])
+        store.blocks.add_importance([(session.block_keys[b], mass[b])])
+    store.flush()
+    store.tiered.reencoder.flush()
+    l1 = store.tiered.tier(TierLevel.L1)
+    held = [CodecId(l1.codec_of(k)).name.lower() for k in session.block_keys]  # type: ignore[arg-type]
+    # the sinks' block and the recent window exact, the most attended of 7 older blocks KIVI-4
+    assert held == ["identity", "kvmix", "kvmix", "kivi4", "kvmix", "kvmix", "kvmix", "identity"]
 
 
 def test_a_session_raised_to_realtime_attends_exact_kv_with_nothing_recomputed(open_store: Factory) -> None:

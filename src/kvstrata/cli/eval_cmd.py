@@ -186,8 +186,8 @@ def pool_cmd(
         int, typer.Option("--eval-tokens", min=1, help="Tokens teacher-forced and scored, per scheme.")
     ] = 512,
     schemes: Annotated[
-        str, typer.Option("--schemes", help="Comma-separated: int8s, kivi4, kivi2, graded.")
-    ] = "int8s,kivi4,graded",
+        str, typer.Option("--schemes", help="Comma-separated: int8s, kivi4, kivi2, kvmix, graded.")
+    ] = "int8s,kivi4,kvmix,graded",
     json_out: JsonOption = False,
 ) -> None:
     """Quality of an agent's blocks held encoded in device memory (issue 33): int8s, KIVI-4,

@@ -44,10 +44,12 @@ SCHEMES: dict[str, GradedCodecs] = {
     "int8s": GradedCodecs("int8s", "int8s", "int8s", 0.0, 0.0),
     "kivi4": GradedCodecs("kivi4", "kivi4", "kivi4", 0.0, 0.0),
     "kivi2": GradedCodecs("kivi2", "kivi2", "kivi2", 0.0, 0.0),
+    "kvmix": GradedCodecs("kvmix", "kvmix", "kvmix", 0.0, 0.0),
     "graded": GradedCodecs(),
 }
 """The schemes ``kvstrata eval pool`` knows by name: one codec for every block out of the window
-(int8s: the interactive class's L1 rung; kivi4: the background class's), or graded by importance."""
+(int8s: the interactive class's L1 rung; kivi4: the background class's; kvmix: the graded rung's
+middle and bottom), or graded by importance."""
 _FP16_ITEMSIZE = 2
 
 

@@ -35,11 +35,15 @@ class Grade(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class GradedCodecs:
     """The codecs of one class's blocks by grade (None: exact), and the shares of the top and
-    bottom grades among the blocks out of the recent window."""
+    bottom grades among the blocks out of the recent window.
 
-    top: str | None = "int8s"
-    middle: str | None = "kivi4"
-    bottom: str | None = "kivi2"
+    The defaults (top KIVI-4, the rest kvmix) hold a graded row 5.1x smaller than fp16 at +0.09%
+    perplexity on SmolLM2 (``kvstrata eval pool``, ``docs/benchmarks/pool.md``); a KIVI-2 bottom
+    grade cost +3.2% there even at a fifth of the blocks, so none is the default."""
+
+    top: str | None = "kivi4"
+    middle: str | None = "kvmix"
+    bottom: str | None = "kvmix"
     top_share: float = 0.1
     bottom_share: float = 0.5
 

@@ -1,6 +1,6 @@
 """The rows ``kvstrata bench pool`` times: one session's context held exact, or with every full
 block out of the recent window encoded (the sinks and the window exact), as the pool holds an
-interactive (int8s) or a background (kivi4) agent."""
+interactive (int8s) or a background (kivi4) agent, or the graded rung most of its blocks (kvmix)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 EXACT = "exact"
-ENCODED = ("int8s", "kivi4")
+ENCODED = ("int8s", "kivi4", "kvmix")
 
 
 def context_kv(model: Any, tokens: int, seed: int = 0) -> torch.Tensor:

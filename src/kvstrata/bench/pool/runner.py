@@ -1,8 +1,9 @@
 """``kvstrata bench pool``: what holding an agent's blocks encoded in device memory costs in speed.
 
 For each model dtype (fp32, bf16) one context of ``--context`` tokens (4,096) is prefilled once
-and held by three batch rows: **exact**; **int8s** (every full block out of the recent window as
-int8s pages: the interactive class's L1 rung); **kivi4** (the background class's). The sinks'
+and held by four batch rows: **exact**; **int8s** (every full block out of the recent window as
+int8s pages: the interactive class's L1 rung); **kivi4** (the background class's); **kvmix** (the
+graded rung's middle and bottom grades; no target, measured to say what it costs). The sinks'
 tokens and the newest block stay exact, as the pool keeps them. Timed side by side in one
 process, the order of the variants rotating every repeat:
 
@@ -58,7 +59,7 @@ def command(
     json_out: JsonOutOption = False,
     plot: PlotOption = None,
 ) -> None:
-    """Decode and continuation-prefill time with the context held int8s / kivi4 in memory, against exact."""
+    """Decode and prefill time with the context held int8s / kivi4 / kvmix in memory, against exact."""
     with one_line_errors():
         result = run(
             model=model,
