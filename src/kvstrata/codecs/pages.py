@@ -29,7 +29,7 @@ codes) with no horizontal sum per token; values lie token by token, as a weighte
   after a Hadamard rotation (:mod:`kvstrata.codecs.kvmix`); its record is its pages, as int8s'.
 
 What cannot be held as pages (a codec with no page layout, such as ``sparse`` or ``lossless``; a
-KIVI block holding the sequence's sink tokens verbatim; a head_dim or group the kernel's vectors
+KIVI or kvmix block holding the sequence's sink tokens verbatim; a head_dim or group the kernel's vectors
 do not divide) is held decoded instead: :func:`page_spec` says None.
 """
 
@@ -148,7 +148,7 @@ def page_spec(block: EncodedBlock, layout: KVLayout) -> PageSpec | None:
 
 def to_pages(block: EncodedBlock, spec: PageSpec, layout: KVLayout) -> np.ndarray:
     """The block's pages as uint8 ``(layers * heads * spec.nbytes,)``: a view of the payload for
-    int8s (read-only), the record's parts regrouped by (layer, head) and repacked for KIVI."""
+    int8s and kvmix (read-only), the record's parts regrouped by (layer, head) and repacked for KIVI."""
     raw = np.frombuffer(block.payload, dtype=np.uint8)
     if spec.codec in _RECORD_IS_PAGES:
         return raw

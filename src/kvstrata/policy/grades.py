@@ -37,7 +37,7 @@ class GradedCodecs:
     """The codecs of one class's blocks by grade (None: exact), and the shares of the top and
     bottom grades among the blocks out of the recent window.
 
-    The defaults (top KIVI-4, the rest kvmix) hold a graded row 5.1x smaller than fp16 at +0.09%
+    The defaults (top KIVI-4, the rest kvmix) hold a graded row 5.1x smaller than fp16 at +0.11%
     perplexity on SmolLM2 (``kvstrata eval pool``, ``docs/benchmarks/pool.md``); a KIVI-2 bottom
     grade cost +3.2% there even at a fifth of the blocks, so none is the default."""
 
