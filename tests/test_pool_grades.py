@@ -49,10 +49,10 @@ def _held(store: KVStore, session: Session) -> list[str]:
     return [CodecId(l1.codec_of(k)).name.lower() for k in session.all_keys()]  # type: ignore[arg-type]
 
 
-def _graded(open_store: Factory, root: Path) -> list[str]:
+def _graded(open_store: Factory, root: Path, config: dict[str, object] | None = None) -> list[str]:
     """A background session on a graded rung, appended a block at a time (each attended while
     recent), checkpointed; the codecs device memory holds its blocks in."""
-    store = open_store(root, FP32, **_config())
+    store = open_store(root, FP32, **(config or _config()))
     session = store.create_session("graded", priority="background")
     tokens = [i % 997 for i in range(8 * 64 + 10)]
     kv = token_kv(FP32, tokens)
@@ -111,6 +111,24 @@ store.close()
     )
     tiers, other = json.loads(out.stdout.strip().splitlines()[-1])
     assert tiers == ["L3"] and other == held  # another process
+
+
+def test_the_default_grades_hold_kvmix_blocks_and_come_back_after_a_restart(
+    open_store: Factory, tmp_path: Path
+) -> None:
+    """The default graded rung (top KIVI-4, the rest kvmix): L3 keeps the class's KIVI-4 copies
+    (less lossy than kvmix), and a restore re-encodes each block to its grade in device memory."""
+    ladder = CodecLadder(background=Rung("kivi4", "kivi4", "graded"), recent_blocks=1)
+    config: dict[str, object] = dict(
+        ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
+    root = tmp_path / "store"
+    held = _graded(open_store, root, config)
+    # the most attended of the older blocks (block 5) KIVI-4, the others kvmix
+    assert held == ["identity", "kvmix", "kvmix", "kvmix", "kvmix", "kivi4", "kvmix", "identity", "identity"]
+    store = open_store(root, FP32, **config)
+    assert _restore(store) == held
+    store.close()
 
 
 def test_a_format_4_store_opens_and_its_sessions_get_grades(open_store: Factory, tmp_path: Path) -> None:
