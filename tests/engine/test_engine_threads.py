@@ -151,8 +151,10 @@ def test_which_ready_row_gives_up_which_step(tiny: LoadedModel, tmp_path: Path) 
     engine = Engine(tiny, store)
     stepper = engine._stepper
 
-    def plan(*classes: Priority, idle: bool = False) -> StepPlan:
+    def plan(*classes: Priority, idle: bool = False, prefill: Priority | None = None) -> StepPlan:
         slots = tuple(Slot(f"r{i}", p, Phase.DECODE, 1, True) for i, p in enumerate(classes))
+        if prefill is not None:
+            slots += (Slot("p", prefill, Phase.PREFILL, 64, False),)
         return StepPlan(0, slots, (), idle=idle)
 
     try:
@@ -169,6 +171,10 @@ def test_which_ready_row_gives_up_which_step(tiny: LoadedModel, tmp_path: Path) 
         assert stepper._interrupt(background)
         stepper.wake(Priority.REALTIME)
         assert stepper._interrupt(both) and not stepper._interrupt(plan(Priority.REALTIME))
+        stepper._urgent = None  # as at the start of each step
+        stepper.wake(Priority.INTERACTIVE)  # not a step holding interactive rows beside a background prefill
+        assert stepper._interrupt(plan(prefill=Priority.BACKGROUND))
+        assert not stepper._interrupt(plan(Priority.INTERACTIVE, prefill=Priority.BACKGROUND))
     finally:
         engine.close()
         store.close()

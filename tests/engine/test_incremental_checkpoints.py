@@ -125,10 +125,10 @@ def test_a_failed_request_keeps_its_last_checkpoint(tiny: LoadedModel, tmp_path:
     engine.add_step_listener(fail_late)
     original = engine._stepper.loop.forward.forward
 
-    def forward(segments, check=None):  # type: ignore[no-untyped-def]
+    def forward(segments, check=None, pausable=()):  # type: ignore[no-untyped-def]
         if steps >= 90:
             raise RuntimeError("injected failure")
-        return original(segments, check)
+        return original(segments, check, pausable)
 
     engine._stepper.loop.forward.forward = forward  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="injected"):

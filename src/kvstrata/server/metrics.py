@@ -235,7 +235,7 @@ class BatchCollector(Collector):
         yield CounterMetricFamily(
             "kvstrata_batch_interrupted_steps",
             "Steps given up so that a more demanding arrival runs at once (realtime; interactive beside "
-            "background rows alone).",
+            "background rows alone; a prefill in it pauses and goes on after).",
             value=stats.interrupted_steps,
         )
 

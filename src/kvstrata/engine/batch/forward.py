@@ -60,6 +60,8 @@ from kvstrata.engine.batch.attention import (
     batched_attention,
     row_mask,
 )
+from kvstrata.engine.batch.llama import TorchOps
+from kvstrata.engine.batch.pause import LayersInterrupted, PausedStep, StepPaused, pause
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 
@@ -226,7 +228,10 @@ class BatchedForward:
 
     @torch.inference_mode()
     def forward(
-        self, segments: Sequence[Segment], interrupt: Callable[[], bool] | None = None
+        self,
+        segments: Sequence[Segment],
+        interrupt: Callable[[], bool] | None = None,
+        pausable: Sequence[bool] = (),
     ) -> list[torch.Tensor | None]:
         """Run one step; returns, per segment, the float32 logits after its last token (None for
         a segment that asked for none). On an error every row is left as it was before the step.
@@ -234,7 +239,9 @@ class BatchedForward:
         ``interrupt`` is asked before each layer's attention whether to give the step up (raising
         :class:`StepInterrupted`): a realtime request that became ready while a long step of
         other rows runs then waits for one layer, not for the rest of the step. What was computed
-        of the step is thrown away: at most one step per realtime arrival."""
+        of the step is thrown away: at most one step per realtime arrival, but for the segments
+        ``pausable`` names (on the written-out Llama path): their finished layers are kept and
+        :class:`~kvstrata.engine.batch.pause.StepPaused` says where to go on (:meth:`resume`)."""
         rows, sizes, ids, positions, keep = self._pack(segments)
         if not rows:
             return []
@@ -257,20 +264,49 @@ class BatchedForward:
                 out = self._llama(step, input_ids, position_ids, logits_to_keep, ops)
             else:
                 out = self._model_forward(step, input_ids, position_ids, logits_to_keep)
+        except LayersInterrupted as exc:
+            if not any(pausable):
+                for row, length in zip(rows, lengths, strict=True):
+                    _truncate(row, length)
+                raise
+            paused = pause(exc, segments, lengths, pausable)
+            for row, length, may in zip(rows, lengths, pausable, strict=True):
+                if not may:
+                    _truncate(row, length)
+            raise StepPaused(str(exc), paused) from None
         except BaseException:
             for row, length in zip(rows, lengths, strict=True):
                 _truncate(row, length)
             raise
-        logits = out[0].float()
-        result: list[torch.Tensor | None] = []
-        picked = 0
-        for segment in segments:
-            if segment.logits:
-                result.append(logits[picked])
-                picked += 1
-            else:
-                result.append(None)
-        return result
+        return _per_segment(out, segments)
+
+    @torch.inference_mode()
+    def resume(
+        self, paused: PausedStep, interrupt: Callable[[], bool] | None = None
+    ) -> list[torch.Tensor | None]:
+        """The rest of a paused step (:mod:`.pause`): its rows' layers from ``paused.layer`` on;
+        per segment, as :meth:`forward` returns. Given up again, ``paused`` is updated and
+        :class:`StepPaused` raised; on an error every row is rolled back to before the step."""
+        assert self._llama is not None
+        rows, sizes = paused.rows, [len(s.token_ids) for s in paused.segments]
+        step = Step(rows, sizes, self.base_attention, self.num_layers, interrupt)  # type: ignore[arg-type]
+        for n_new, length in zip(sizes, paused.lengths, strict=True):
+            step.masks.append(
+                row_mask(n_new, length + n_new, self.model.dtype, self._input_device, self.base_attention)
+            )
+        ops = decode_kernel.loaded() if self._native_ops else None
+        state = (paused.hidden, paused.x, paused.cos, paused.sin)
+        try:
+            out = self._llama.layers(
+                step, StepCache(step, ops), state, paused.keep, ops or TorchOps, paused.layer
+            )
+        except LayersInterrupted as exc:
+            paused.update(exc)
+            raise StepPaused(str(exc), paused) from None
+        except BaseException:
+            paused.roll_back()
+            raise
+        return _per_segment(out, paused.segments)
 
     def _model_forward(
         self, step: Step, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
@@ -335,6 +371,20 @@ class BatchedForward:
             if segment.logits:
                 keep.append(len(ids) - 1)
         return rows, sizes, ids, positions, keep
+
+
+def _per_segment(out: torch.Tensor, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+    """Per segment, its float32 logits (``out``'s next row) or None where it asked for none."""
+    logits = out[0].float()
+    result: list[torch.Tensor | None] = []
+    picked = 0
+    for segment in segments:
+        if segment.logits:
+            result.append(logits[picked])
+            picked += 1
+        else:
+            result.append(None)
+    return result
 
 
 def _truncate(row: BatchRow, length: int) -> None:

@@ -53,6 +53,7 @@ from typing import Protocol
 import torch
 
 from kvstrata.engine.batch.attention import STEP_KWARG, Step, StepCache, StepInterrupted, batched_attention
+from kvstrata.engine.batch.pause import LayersInterrupted
 from kvstrata.integrations.transformers import packed_linear
 
 _LAYER_PARTS = (
@@ -243,20 +244,36 @@ class LlamaStep:
         native = None if ops is None or ops is TorchOps else ops
         ops = ops or TorchOps
         inner = self.model.model
-        heads, kv_heads, head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
-        qk_sizes = [(heads + kv_heads) * head_dim, kv_heads * head_dim]
-        tokens = input_ids.shape[1]
         hidden = inner.embed_tokens(input_ids)  # a fresh tensor: the residual adds go into it
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos[0], sin[0]  # (tokens, head_dim)
         cache = StepCache(step, native)  # type: ignore[arg-type]
-        kwargs = {STEP_KWARG: step}
         x = ops.rms_norm(hidden, *self._norms[0])
         if native is not None and self._native_layers is not None and step.kernel is not None:
             out = self._decode_layers(native, step, hidden, x, cos, sin)
             if out is not None:
                 return self.model.lm_head(out[:, keep, :])
+        return self.layers(step, cache, (hidden, x, cos, sin), keep, ops)
+
+    def layers(
+        self,
+        step: Step,
+        cache: StepCache,
+        state: tuple[torch.Tensor, ...],
+        keep: torch.Tensor,
+        ops: LayerOps,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """The layers from ``start`` on, then the logits at ``keep``; ``state``: the residual stream
+        before ``start``, its normed input, the rotary tables (given up: :mod:`.pause`)."""
+        (hidden, x, cos, sin), inner = state, self.model.model
+        heads, kv_heads, head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
+        qk_sizes = [(heads + kv_heads) * head_dim, kv_heads * head_dim]
+        tokens = hidden.shape[1]
+        kwargs = {STEP_KWARG: step}
         for index, (layer, fused) in enumerate(zip(inner.layers, self.fused, strict=True)):
+            if index < start:
+                continue
             attention = layer.self_attn
             query_key, value = fused.qkv(x).split(qk_sizes, dim=-1)
             # queries and keys rotated in one go: (tokens, heads + kv_heads, head_dim)
@@ -265,7 +282,10 @@ class LlamaStep:
             key = query_key[:, heads:].transpose(0, 1).unsqueeze(0)
             value = value.view(1, tokens, kv_heads, head_dim).transpose(1, 2)
             cache.update(key, value, index)
-            out, _ = batched_attention(attention, query, key, value, None, attention.scaling, **kwargs)
+            try:
+                out, _ = batched_attention(attention, query, key, value, None, attention.scaling, **kwargs)
+            except StepInterrupted as exc:
+                raise LayersInterrupted(str(exc), index, hidden, x, cos, sin) from None
             delta = attention.o_proj(out.reshape(1, tokens, -1))
             norm = layer.post_attention_layernorm
             x = ops.add_rms_norm(hidden, delta, norm.weight, float(norm.variance_epsilon))

@@ -17,7 +17,10 @@ the model's positions, or whose ``pick`` raises (a grammar that allows nothing) 
 request with ``finish_reason == "error"`` (``error`` says why, ``failure`` is the exception). A
 forward pass that raises leaves every row as it was before the step (the forward pass rolls its
 appends back) and propagates; so does a step given up through ``interrupt``
-(:class:`~kvstrata.engine.batch.forward.StepInterrupted`), which counts as not run.
+(:class:`~kvstrata.engine.batch.forward.StepInterrupted`), which counts as not run; but its
+interactive and background prefill rows pause where they were (:mod:`.pause`): held out of the
+next step, they go on right after it (or at once if it holds no row). One step is paused at a
+time: a step given up while another waits is rolled back whole.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.engine.batch.forward import BatchedForward, BatchRow, Segment
+from kvstrata.engine.batch.pause import PausedStep, StepPaused
 from kvstrata.engine.batch.step_scheduler import Phase, StepBudget, StepPlan, StepScheduler
 from kvstrata.errors import ConfigError, KVStrataError
 from kvstrata.priority import Priority
@@ -102,6 +106,9 @@ class BatchLoop:
         """Requests whose row failed to open in :meth:`admit`, reported by the next step."""
         self.last_plan = StepPlan(-1, (), ())
         """The plan of the last step run or tried (a step that raised names its rows here)."""
+        self._paused: PausedStep | None = None
+        self._resume_due = False
+        """A step ran since the paused one was given up: it goes on next."""
 
     def submit(self, request: LoopRequest) -> None:
         if request.request_id in self._requests:
@@ -115,6 +122,9 @@ class BatchLoop:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        paused = self._paused
+        if paused is not None and request.row is not None and any(r is request.row for r in paused.rows):
+            self._drop_paused()  # the whole paused step rolls back: its other rows run it again
         self.scheduler.finish(request_id)
         if request.finish_reason is None:
             request.finish_reason = reason
@@ -144,7 +154,12 @@ class BatchLoop:
         :meth:`BatchedForward.forward`)."""
         self.admit()
         finished, self._failed = self._failed, []
+        if self._paused is not None and self._resume_due:
+            return self._resume(interrupt, finished)
         plan = self.last_plan = self.scheduler.plan()
+        if not plan.slots and self._paused is not None:
+            self.scheduler.abandon(plan)
+            return self._resume(interrupt, finished)
         segments: list[Segment] = []
         for slot in plan.slots:
             request = self._requests[slot.request_id]
@@ -156,15 +171,72 @@ class BatchLoop:
                 chunk = [request.generated[-1]]
             segments.append(Segment(request.row, chunk, slot.logits))
         check = (lambda: interrupt(plan)) if interrupt is not None else None
+        # one paused step at a time: a step given up while another waits rolls back whole
+        pausable = [
+            self._paused is None and s.phase is Phase.PREFILL and s.priority is not Priority.REALTIME
+            for s in plan.slots
+        ]
         try:
-            logits = self.forward.forward(segments, check) if segments else []
-        except BaseException:
-            for slot in plan.slots:
-                if slot.phase is Phase.PREFILL:
+            logits = self.forward.forward(segments, check, pausable) if segments else []
+        except BaseException as exc:
+            self._failed = finished + self._failed  # reported by the next step
+            held = exc.paused if isinstance(exc, StepPaused) else None
+            rows = set() if held is None else {id(row) for row in held.rows}
+            for slot, segment in zip(plan.slots, segments, strict=True):
+                if slot.phase is Phase.PREFILL and id(segment.row) not in rows:
                     self._requests[slot.request_id]._fed -= slot.tokens
-            self.scheduler.abandon(plan)
+            if held is None:
+                self.scheduler.abandon(plan)
+            else:
+                self.scheduler.hold(
+                    plan, [s for s, g in zip(plan.slots, segments, strict=True) if id(g.row) in rows]
+                )
+                self._paused, self._resume_due = held, False
             raise
         self.scheduler.complete(plan)
+        self._resume_due = self._paused is not None
+        return self._picked(plan, logits, finished)
+
+    def _resume(
+        self, interrupt: Callable[[StepPlan], bool] | None, finished: list[LoopRequest]
+    ) -> StepResult:
+        """The paused step goes on (:meth:`BatchedForward.resume`); given up again, it stays paused."""
+        paused = self._paused
+        assert paused is not None
+        plan = self.last_plan = self.scheduler.resume_held()
+        check = (lambda: interrupt(plan)) if interrupt is not None else None
+        try:
+            logits = self.forward.resume(paused, check)
+        except StepPaused:
+            self._failed = finished + self._failed
+            self.scheduler.hold(plan, list(plan.slots))
+            self._resume_due = False
+            raise
+        except BaseException:
+            self._failed = finished + self._failed
+            self._paused = None  # resume() rolled its rows back
+            for slot in plan.slots:
+                self._requests[slot.request_id]._fed -= slot.tokens
+            self.scheduler.abandon(plan)
+            raise
+        self._paused, self._resume_due = None, False
+        self.scheduler.complete(plan)
+        return self._picked(plan, logits, finished)
+
+    def _drop_paused(self) -> None:
+        """Roll the paused step back whole (a request of it is ending): its rows run it again."""
+        paused, self._paused, self._resume_due = self._paused, None, False
+        assert paused is not None
+        paused.roll_back()
+        for slot in self.scheduler.release_held():
+            request = self._requests.get(slot.request_id)
+            if request is not None:
+                request._fed -= slot.tokens
+
+    def _picked(
+        self, plan: StepPlan, logits: Sequence[torch.Tensor | None], finished: list[LoopRequest]
+    ) -> StepResult:
+        """Each slot's token picked from its logits; the requests that finished."""
         tokens: list[tuple[LoopRequest, int]] = []
         picked_from: list[torch.Tensor] = []
         for slot, row_logits in zip(plan.slots, logits, strict=True):

@@ -185,6 +185,8 @@ class StepScheduler:
         self._order = itertools.count()
         self._ran_last: set[str] = set()
         self._pending: StepPlan | None = None
+        self._held: tuple[Slot, ...] = ()
+        """The slots of a paused step: no plan holds their requests until :meth:`resume_held`."""
         self._others_shared = -(1 << 62)
         """The last step a realtime request shared with rows of the other classes."""
         self.preemptions: dict[Priority, int] = {p: 0 for p in Priority}
@@ -229,6 +231,7 @@ class StepScheduler:
         """Forget ``request_id`` (done, cancelled or failed); unknown ids are ignored."""
         self._entries.pop(request_id, None)
         self._ran_last.discard(request_id)
+        self._held = tuple(slot for slot in self._held if slot.request_id != request_id)
 
     # -- steps -------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
@@ -236,7 +239,8 @@ class StepScheduler:
         if self._pending is not None:
             raise ConfigError("the previous plan was not completed")
         budget = self.budget
-        live = [e for e in self._entries.values() if e.live and not e.idle]
+        held = {slot.request_id for slot in self._held}
+        live = [e for e in self._entries.values() if e.live and not e.idle and e.request_id not in held]
         realtime_live = any(e.priority is Priority.REALTIME for e in live)
         share = self.step - self._others_shared >= budget.realtime_share_every
         realtime_prefill = budget.realtime_prefill_alone and any(
@@ -327,6 +331,24 @@ class StepScheduler:
         if plan is not self._pending:
             raise ConfigError("abandon() takes the plan the last plan() returned")
         self._pending = None
+
+    def hold(self, plan: StepPlan, slots: Iterable[Slot]) -> None:
+        """``plan``'s step was given up (not counted), ``slots`` paused: held until :meth:`resume_held`."""
+        self.abandon(plan)
+        self._held = tuple(slots)
+
+    def resume_held(self) -> StepPlan:
+        """The plan of the paused slots going on (:meth:`complete` or :meth:`hold` follows)."""
+        if self._pending is not None:
+            raise ConfigError("the previous plan was not completed")
+        self._pending = StepPlan(self.step, self._held, ())
+        self._held = ()
+        return self._pending
+
+    def release_held(self) -> tuple[Slot, ...]:
+        """Forget the paused slots (their step was rolled back): their requests are planned again."""
+        held, self._held = self._held, ()
+        return held
 
     # -- introspection -----------------------------------------------------------------------
     def phase(self, request_id: str) -> Phase | None:
