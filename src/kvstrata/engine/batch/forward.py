@@ -269,7 +269,8 @@ class BatchedForward:
                 for row, length in zip(rows, lengths, strict=True):
                     _truncate(row, length)
                 raise
-            paused = pause(exc, segments, lengths, pausable)
+            wants = [segment.logits for segment in segments]
+            paused = pause(exc, rows, sizes, wants, lengths, pausable)
             for row, length, may in zip(rows, lengths, pausable, strict=True):
                 if not may:
                     _truncate(row, length)
@@ -278,7 +279,7 @@ class BatchedForward:
             for row, length in zip(rows, lengths, strict=True):
                 _truncate(row, length)
             raise
-        return _per_segment(out, segments)
+        return _per_segment(out, [segment.logits for segment in segments])
 
     @torch.inference_mode()
     def resume(
@@ -288,7 +289,7 @@ class BatchedForward:
         per segment, as :meth:`forward` returns. Given up again, ``paused`` is updated and
         :class:`StepPaused` raised; on an error every row is rolled back to before the step."""
         assert self._llama is not None
-        rows, sizes = paused.rows, [len(s.token_ids) for s in paused.segments]
+        rows, sizes = paused.rows, paused.sizes
         step = Step(rows, sizes, self.base_attention, self.num_layers, interrupt)  # type: ignore[arg-type]
         for n_new, length in zip(sizes, paused.lengths, strict=True):
             step.masks.append(
@@ -306,7 +307,7 @@ class BatchedForward:
         except BaseException:
             paused.roll_back()
             raise
-        return _per_segment(out, paused.segments)
+        return _per_segment(out, paused.logits)
 
     def _model_forward(
         self, step: Step, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
@@ -373,13 +374,13 @@ class BatchedForward:
         return rows, sizes, ids, positions, keep
 
 
-def _per_segment(out: torch.Tensor, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+def _per_segment(out: torch.Tensor, wants: Sequence[bool]) -> list[torch.Tensor | None]:
     """Per segment, its float32 logits (``out``'s next row) or None where it asked for none."""
     logits = out[0].float()
     result: list[torch.Tensor | None] = []
     picked = 0
-    for segment in segments:
-        if segment.logits:
+    for wanted in wants:
+        if wanted:
             result.append(logits[picked])
             picked += 1
         else:

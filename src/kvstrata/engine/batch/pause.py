@@ -16,16 +16,13 @@ paused step back whole).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvstrata.engine.batch.attention import StepInterrupted
-
-if TYPE_CHECKING:
-    from kvstrata.engine.batch.forward import BatchRow, Segment
+from kvstrata.engine.batch.attention import AttendingRow, StepInterrupted
 
 
 class LayersInterrupted(StepInterrupted):
@@ -43,7 +40,11 @@ class LayersInterrupted(StepInterrupted):
 class PausedStep:
     """The rows of a paused step, and what their next layer starts from."""
 
-    segments: list[Segment]
+    rows: list[AttendingRow]
+    sizes: list[int]
+    """Each row's new tokens in the step."""
+    logits: list[bool]
+    """Whether the step returns each row's logits."""
     lengths: list[int]
     """Each row's tokens before the step (its layers from ``layer`` on hold that many)."""
     layer: int
@@ -53,10 +54,6 @@ class PausedStep:
     sin: torch.Tensor
     keep: torch.Tensor
     """Where the segments that return logits end, in the paused rows' packed tokens."""
-
-    @property
-    def rows(self) -> list[BatchRow]:
-        return [segment.row for segment in self.segments]
 
     def update(self, exc: LayersInterrupted) -> None:
         """Given up again, at ``exc.layer``: crop that layer's appends, keep its inputs."""
@@ -78,7 +75,7 @@ class StepPaused(StepInterrupted):
         self.paused = paused
 
 
-def crop_from(row: BatchRow, length: int, layer: int) -> None:
+def crop_from(row: AttendingRow, length: int, layer: int) -> None:
     """Layers ``layer ..`` of ``row`` back to ``length`` tokens."""
     for cache_layer in row.cache.layers[layer:]:
         extra = cache_layer.get_seq_length() - length
@@ -87,29 +84,29 @@ def crop_from(row: BatchRow, length: int, layer: int) -> None:
 
 
 def pause(
-    exc: LayersInterrupted, segments: Sequence[Segment], lengths: Sequence[int], pausable: Sequence[bool]
+    exc: LayersInterrupted,
+    rows: Sequence[AttendingRow],
+    sizes: Sequence[int],
+    logits: Sequence[bool],
+    lengths: Sequence[int],
+    pausable: Sequence[bool],
 ) -> PausedStep:
-    """The paused step of the ``pausable`` segments of a step given up as ``exc`` says (their
-    layer ``exc.layer`` cropped); the caller rolls the other rows back."""
-    index: list[int] = []
-    kept: list[Segment] = []
-    kept_lengths: list[int] = []
-    keep: list[int] = []
-    start = 0
-    for segment, length, may in zip(segments, lengths, pausable, strict=True):
-        n = len(segment.token_ids)
-        if may:
-            index.extend(range(start, start + n))
-            kept.append(segment)
-            kept_lengths.append(length)
-            if segment.logits:
-                keep.append(len(index) - 1)
-            crop_from(segment.row, length, exc.layer)
-        start += n
+    """The paused step of the ``pausable`` rows of a step given up as ``exc`` says (their layer
+    ``exc.layer`` cropped; ``sizes``: each row's new tokens in packed order, ``logits``: whether
+    the step returns its logits); the caller rolls the other rows back."""
+    chosen = [i for i, may in enumerate(pausable) if may]
+    starts = [sum(sizes[:i]) for i in chosen]
+    index = [t for i, first in zip(chosen, starts, strict=True) for t in range(first, first + sizes[i])]
+    ends = list(itertools.accumulate(sizes[i] for i in chosen))
+    keep = [end - 1 for i, end in zip(chosen, ends, strict=True) if logits[i]]
+    for i in chosen:
+        crop_from(rows[i], lengths[i], exc.layer)
     at = torch.tensor(index, dtype=torch.long, device=exc.hidden.device)
     return PausedStep(
-        kept,
-        kept_lengths,
+        [rows[i] for i in chosen],
+        [sizes[i] for i in chosen],
+        [logits[i] for i in chosen],
+        [lengths[i] for i in chosen],
         exc.layer,
         exc.hidden.index_select(1, at),
         exc.x.index_select(1, at),
