@@ -194,17 +194,10 @@ def test_a_ladder_naming_a_codec_that_cannot_sit_in_l1_is_refused_at_start() -> 
         StoreConfig.from_mapping({"ladder": {"background": {"l1": "sparse"}}})
 
 
-def test_one_agents_blocks_are_held_by_grade_sinks_and_recent_exact(open_store: Factory) -> None:
-    """A graded background rung: each block leaving the window is held by its grade among the
-    session's older blocks (attention mass received while it was recent); the first block (the
-    attention sinks) and the newest stay exact."""
-    grades = GradedCodecs("int8s", "kivi4", "kivi2", top_share=0.2, bottom_share=0.4)
-    ladder = CodecLadder(background=Rung("kivi4", "kivi4", "graded"), recent_blocks=1, grades=grades)
-    store = open_store(
-        layout=FP32, ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
-    )
+def _graded_blocks(store: KVStore, mass: list[float]) -> list[str]:
+    """A background session of 8 blocks, each attended ``mass`` while recent; the codec device
+    memory holds each block in."""
     session = store.create_session("graded", priority="background")
-    mass = [0.05, 0.9, 0.01, 0.5, 0.02, 0.4, 0.03, 0.3]  # what each block receives while recent
     tokens = [i % 997 for i in range(8 * 64)]
     kv = token_kv(FP32, tokens)
     for b in range(8):
@@ -214,6 +207,20 @@ def test_one_agents_blocks_are_held_by_grade_sinks_and_recent_exact(open_store: 
     store.tiered.reencoder.flush()
     l1 = store.tiered.tier(TierLevel.L1)
     held = [CodecId(l1.codec_of(k)).name.lower() for k in session.block_keys]  # type: ignore[arg-type]
+    return held
+
+
+def test_one_agents_blocks_are_held_by_grade_sinks_and_recent_exact(open_store: Factory) -> None:
+    """A graded background rung: each block leaving the window is held by its grade among the
+    session's older blocks (attention mass received while it was recent); the first block (the
+    attention sinks) and the newest stay exact."""
+    grades = GradedCodecs("int8s", "kivi4", "kivi2", top_share=0.2, bottom_share=0.4)
+    ladder = CodecLadder(background=Rung("kivi4", "kivi4", "graded"), recent_blocks=1, grades=grades)
+    store = open_store(
+        layout=FP32, ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
+    )
+    # what each block receives while recent
+    held = _graded_blocks(store, [0.05, 0.9, 0.01, 0.5, 0.02, 0.4, 0.03, 0.3])
     assert held[0] == "identity" and held[-1] == "identity"  # sinks, recent window
     assert held[1] == "int8s" and held[2] == "kivi2"  # the most and the least attended
     assert len(set(held)) == 4  # exact, int8s, kivi4, kivi2: one agent at four precisions
@@ -226,17 +233,7 @@ def test_the_default_graded_rung_holds_the_top_block_kivi4_and_the_rest_kvmix(op
     store = open_store(
         layout=FP32, ladder=ladder, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0
     )
-    session = store.create_session("graded", priority="background")
-    mass = [0.05, 0.01, 0.02, 0.9, 0.04, 0.03, 0.2, 0.3]
-    tokens = [i % 997 for i in range(8 * 64)]
-    kv = token_kv(FP32, tokens)
-    for b in range(8):
-        store.append(session, tokens[b * 64 : (b + 1) * 64], kv[:, :, :, b * 64 : (b + 1) * 64])
-        store.blocks.add_importance([(session.block_keys[b], mass[b])])
-    store.flush()
-    store.tiered.reencoder.flush()
-    l1 = store.tiered.tier(TierLevel.L1)
-    held = [CodecId(l1.codec_of(k)).name.lower() for k in session.block_keys]  # type: ignore[arg-type]
+    held = _graded_blocks(store, [0.05, 0.01, 0.02, 0.9, 0.04, 0.03, 0.2, 0.3])
     # the sinks' block and the recent window exact, the most attended of 7 older blocks KIVI-4
     assert held == ["identity", "kvmix", "kvmix", "kivi4", "kvmix", "kvmix", "kvmix", "identity"]
 

@@ -113,3 +113,10 @@ def unpack_planar(packed: np.ndarray, bits: int) -> np.ndarray:
     shifts = (np.arange(8 // bits, dtype=np.uint8) * bits)[:, None]
     lanes = (packed[..., None, :] >> shifts) & ((1 << bits) - 1)
     return lanes.reshape(*packed.shape[:-2], -1)
+
+
+def unpack_planar_rows(packed: torch.Tensor, rows: int, bits: int) -> torch.Tensor:
+    """Planar codes ``(L, H, rows * units * 16)`` (uint8, torch) to ``(L, H, rows, units * span)``."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(-1, 1)
+    units = packed.reshape(*packed.shape[:2], rows, -1, 1, LANES)
+    return ((units >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:2], rows, -1)

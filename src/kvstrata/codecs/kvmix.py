@@ -58,7 +58,7 @@ from kvstrata.codecs._bytes import (
     numel,
     require_int,
 )
-from kvstrata.codecs._quant import LANES, SCALE_BYTES, pack_planar, planar_span, quantize
+from kvstrata.codecs._quant import SCALE_BYTES, pack_planar, planar_span, quantize, unpack_planar_rows
 from kvstrata.codecs.base import (
     DEFAULT_CONTEXT,
     BlockContext,
@@ -171,13 +171,6 @@ def encode_pages(x: torch.Tensor, group: int) -> np.ndarray:
     return np.concatenate(columns, axis=1).reshape(-1)
 
 
-def _unpack(packed: torch.Tensor, rows: int, bits: int) -> torch.Tensor:
-    """Planar codes ``(L, H, rows * units * 16)`` to ``(L, H, rows, units * span)``."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(-1, 1)
-    units = packed.reshape(*packed.shape[:2], rows, -1, 1, LANES)
-    return ((units >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:2], rows, -1)
-
-
 def check_orders(pages: np.ndarray | torch.Tensor, dim: int, nbytes: int) -> None:
     """Raise ``CorruptBlockError`` unless every page's channel order is a permutation."""
     raw = (pages.numpy() if isinstance(pages, torch.Tensor) else pages).reshape(-1, nbytes)[:, :dim]
@@ -193,12 +186,14 @@ def dequantize_pages(pages: torch.Tensor, tokens: int, dim: int, group: int) -> 
     def half(part: torch.Tensor, *shape: int) -> torch.Tensor:
         return part.contiguous().view(torch.float16).reshape(layers, heads, *shape).float()
 
-    codes = torch.cat([_unpack(kw, wide, WIDE_BITS), _unpack(kn, dim - wide, NARROW_BITS)], dim=2)
+    codes = torch.cat(
+        [unpack_planar_rows(kw, wide, WIDE_BITS), unpack_planar_rows(kn, dim - wide, NARROW_BITS)], dim=2
+    )
     codes = codes[..., :tokens]
     in_order = torch.mul(codes, half(ks, dim, 1)).add_(half(kz, dim, 1))
     keys = torch.empty_like(in_order).scatter_(2, order.long().unsqueeze(-1).expand_as(in_order), in_order)
     groups = dim // group
-    value_codes = _unpack(vc, tokens, VALUE_BITS).reshape(layers, heads, tokens, groups, group)
+    value_codes = unpack_planar_rows(vc, tokens, VALUE_BITS).reshape(layers, heads, tokens, groups, group)
     rotated = torch.mul(value_codes, half(vs, tokens, groups, 1)).add_(half(vz, tokens, groups, 1))
     values = rotate(rotated.reshape(layers, heads, tokens, dim))
     return torch.stack([keys.transpose(-1, -2), values])

@@ -51,6 +51,7 @@ from kvstrata.codecs._quant import (
     planar_span,
     unpack_codes,
     unpack_planar,
+    unpack_planar_rows,
 )
 from kvstrata.codecs.base import CodecId, EncodedBlock
 from kvstrata.codecs.int8s import Int8SymCodec
@@ -221,18 +222,13 @@ def dequantize(pages: torch.Tensor, spec: PageSpec) -> torch.Tensor:
     layers, heads = pages.shape[0], pages.shape[1]
     tokens, dim, bits = spec.tokens, spec.head_dim, _bits(spec)
     kc, vc, ks, kz, vs, vz = pages.split(_kivi_parts(spec), dim=-1)
-    shifts = (torch.arange(0, 8, bits, dtype=torch.uint8)).view(-1, 1)
-
-    def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
-        units = packed.reshape(layers, heads, rows, -1, 1, LANES)
-        return ((units >> shifts) & ((1 << bits) - 1)).reshape(layers, heads, rows, -1)
 
     def half(part: torch.Tensor, *shape: int) -> torch.Tensor:
         return part.contiguous().view(torch.float16).reshape(layers, heads, *shape).float()
 
-    key_codes = unpack(kc, dim)[..., :tokens].transpose(-1, -2)
+    key_codes = unpack_planar_rows(kc, dim, bits)[..., :tokens].transpose(-1, -2)
     keys = torch.mul(key_codes, half(ks, 1, dim)).add_(half(kz, 1, dim))
     groups = dim // spec.group
-    value_codes = unpack(vc, tokens).reshape(layers, heads, tokens, groups, spec.group)
+    value_codes = unpack_planar_rows(vc, tokens, bits).reshape(layers, heads, tokens, groups, spec.group)
     values = torch.mul(value_codes, half(vs, tokens, groups, 1)).add_(half(vz, tokens, groups, 1))
     return torch.stack([keys, values.reshape(layers, heads, tokens, dim)])

@@ -61,7 +61,7 @@ from kvstrata.engine.batch.attention import (
     row_mask,
 )
 from kvstrata.engine.batch.llama import TorchOps
-from kvstrata.engine.batch.pause import LayersInterrupted, PausedStep, StepPaused, pause
+from kvstrata.engine.batch.pause import LayersInterrupted, PausedStep, StepPaused, crop_from, pause
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.transformers.cache import KVStrataCache, layer_devices
 
@@ -267,17 +267,17 @@ class BatchedForward:
         except LayersInterrupted as exc:
             if not any(pausable):
                 for row, length in zip(rows, lengths, strict=True):
-                    _truncate(row, length)
+                    crop_from(row, length, 0)
                 raise
             wants = [segment.logits for segment in segments]
             paused = pause(exc, rows, sizes, wants, lengths, pausable)
             for row, length, may in zip(rows, lengths, pausable, strict=True):
                 if not may:
-                    _truncate(row, length)
+                    crop_from(row, length, 0)
             raise StepPaused(str(exc), paused) from None
         except BaseException:
             for row, length in zip(rows, lengths, strict=True):
-                _truncate(row, length)
+                crop_from(row, length, 0)
             raise
         return _per_segment(out, [segment.logits for segment in segments])
 
@@ -386,11 +386,3 @@ def _per_segment(out: torch.Tensor, wants: Sequence[bool]) -> list[torch.Tensor 
         else:
             result.append(None)
     return result
-
-
-def _truncate(row: BatchRow, length: int) -> None:
-    """Undo a failed step's appends: every layer back to ``length`` tokens."""
-    for layer in row.cache.layers:
-        extra = layer.get_seq_length() - length
-        if extra > 0:
-            layer.crop(-extra)
