@@ -144,64 +144,6 @@ def test_a_step_of_background_rows_alone_is_given_up_for_an_interactive_row(
     assert engine.batch_stats().interrupted_steps == 1
 
 
-def test_a_background_prefill_beside_interactive_decodes_pauses_for_an_interactive_row(
-    tiny: LoadedModel, tmp_path: Path
-) -> None:
-    """An interactive row that gets ready while a step holds a background prefill beside
-    interactive decodes takes that step's place (``kvstrata bench agents --pool`` at 12 agents: a
-    hot agent's first turn waited for a background agent's first prefill): the prefill pauses, the
-    decode runs again beside the new prefill, the prefill goes on after; every request gives the
-    tokens of an uninterrupted run."""
-    config = StoreConfig(ladder=CodecLadder.exact())
-    store = KVStore(tmp_path / "store", tiny.layout(8), model_fingerprint=tiny.fingerprint, config=config)
-    engine = Engine(tiny, store)
-    reports: list[StepReport] = []
-    engine.add_step_listener(reports.append)
-    stepper = engine._stepper
-    asked = stepper._interrupt
-    hot: list[ResponseStream] = []
-    mixed = {(Priority.INTERACTIVE, Phase.DECODE), (Priority.BACKGROUND, Phase.PREFILL)}
-
-    def arrive_in_a_mixed_step(plan: StepPlan) -> bool:
-        if not hot and {(s.priority, s.phase) for s in plan.slots} == mixed:
-            hot.append(engine.stream(GenerationRequest("hot", prompt_ids=[9, 8, 7, 6], sampling=GREEDY2)))
-            assert engine._worker.wait_idle(60)  # its row is ready: it woke the step thread meanwhile
-        return asked(plan)
-
-    def run_both() -> tuple[list[int], list[int]]:
-        talking_sampling = SamplingParams(6, 0.0, ignore_eos=True)
-        talk = GenerationRequest("talk", prompt_ids=[3, 4, 5], sampling=talking_sampling)
-        background = GenerationRequest(
-            "bg", prompt_ids=list(range(10, 70)), sampling=SamplingParams(3, 0.0, ignore_eos=True),
-            priority="background",
-        )  # fmt: skip
-        talking, working = engine.submit(talk), engine.submit(background)
-        return talking.result(120).token_ids, working.result(120).token_ids
-
-    stepper._interrupt = arrive_in_a_mixed_step  # type: ignore[method-assign]
-    try:
-        tokens = run_both()
-        assert hot and hot[0].result(120).completion_tokens == 2
-        stepper._interrupt = asked  # type: ignore[method-assign]
-        for session in ("talk", "bg"):
-            engine.forget(session)
-            store.delete_session(session)
-        assert run_both() == tokens  # as uninterrupted
-    finally:
-        engine.close()
-        store.close()
-    given_up = [i for i, r in enumerate(reports) if r.interrupted]
-    assert len(given_up) == 1
-    assert {(s.priority, s.phase) for s in reports[given_up[0]].plan.slots} == mixed
-    after, resumed = reports[given_up[0] + 1].plan, reports[given_up[0] + 2].plan
-    # the hot prefill beside the decode that ran again; the background prefill held, paused
-    assert {(s.priority, s.phase) for s in after.slots} == {
-        (Priority.INTERACTIVE, Phase.PREFILL),
-        (Priority.INTERACTIVE, Phase.DECODE),
-    }
-    assert [(s.priority, s.phase) for s in resumed.slots] == [(Priority.BACKGROUND, Phase.PREFILL)]
-
-
 def test_which_ready_row_gives_up_which_step(tiny: LoadedModel, tmp_path: Path) -> None:
     """A ready row gives up a running step only when every row in it is of a less demanding class,
     or the step runs idle requests alone (the recompute of an upgraded session)."""
@@ -230,20 +172,9 @@ def test_which_ready_row_gives_up_which_step(tiny: LoadedModel, tmp_path: Path) 
         stepper.wake(Priority.REALTIME)
         assert stepper._interrupt(both) and not stepper._interrupt(plan(Priority.REALTIME))
         stepper._urgent = None  # as at the start of each step
-        stepper.wake(Priority.INTERACTIVE)  # and a step holding interactive rows beside a background prefill
+        stepper.wake(Priority.INTERACTIVE)  # not a step holding interactive rows beside a background prefill
         assert stepper._interrupt(plan(prefill=Priority.BACKGROUND))
-        mixed = plan(Priority.INTERACTIVE, prefill=Priority.BACKGROUND)
-        assert stepper._interrupt(mixed) and not stepper._interrupt(both)
-        # not a step holding a prefill as urgent as the ready row (it came first)
-        urgent_prefill = Slot("q", Priority.INTERACTIVE, Phase.PREFILL, 8, True)
-        two_prefills = StepPlan(0, (*mixed.slots, urgent_prefill), ())
-        assert not stepper._interrupt(two_prefills)
-        assert not stepper._interrupt(plan(Priority.REALTIME, prefill=Priority.BACKGROUND))
-        stepper.loop._paused = object()  # type: ignore[assignment]  # while another step is paused: not that one
-        assert not stepper._interrupt(mixed) and stepper._interrupt(plan(prefill=Priority.BACKGROUND))
-        stepper.loop._resuming = True  # the paused step itself, going on: given up again
-        assert stepper._interrupt(mixed)
-        stepper.loop._paused, stepper.loop._resuming = None, False
+        assert not stepper._interrupt(plan(Priority.INTERACTIVE, prefill=Priority.BACKGROUND))
     finally:
         engine.close()
         store.close()

@@ -36,7 +36,6 @@ from kvstrata.engine.batch import (
     BatchLoop,
     BatchRow,
     LoopRequest,
-    Phase,
     SchedulerCounts,
     StepInterrupted,
     StepPlan,
@@ -277,32 +276,17 @@ class Stepper:
     def _interrupt(self, plan: StepPlan) -> bool:
         """Give the running step up for a row that got ready meanwhile when every row in it is of a
         less demanding class (a realtime row: any step without a realtime row; an interactive one: a
-        step of background rows alone), or the step runs idle requests; and, while no other step is
-        paused, when it holds a prefill of a less demanding class beside decodes of the ready row's
-        own class (an interactive row: a background prefill beside interactive decodes; never a
-        step holding a prefill as urgent as the ready row, which came first): the ready row's first
-        token comes a step sooner. The step's interactive and background prefill rows pause (they go
-        on after the next step, their finished layers kept), its other rows run again from where
-        they were (a decode's share of a prefill's step is small); a step given up while another is
-        paused rolls back whole.
+        step of background rows alone), or the step runs idle requests: the ready row's first token
+        comes a step sooner: its interactive and background prefill rows pause (they go on after
+        the next step, their finished layers kept), its other rows run again from where they were.
 
-        Tried and not kept (2026-12-07, ``kvstrata bench agents --pool``): giving the mixed step up
-        whether a step was paused or not (then rolled back whole): hot P99 1.03x alone at 12 agents,
-        but 2.90x at 20 and the background P99 about 3x; pausing its decode rows too and giving up
-        steps with interactive prefills: at 20 agents a step of several interactive prefills was
-        given up five times over by later arrivals (each going ahead of the rows that came first)."""
+        Tried and not kept (2026-12-07, ``kvstrata bench agents --pool``): also giving up a step that
+        holds a less demanding prefill beside other rows (the prefill pausing, the rest rolled
+        back): hot P99 1.03x alone at 12 agents, but 2.90x at 20 and the background P99 about 3x."""
         urgent = self._urgent
         if urgent is None:
             return False
-        if plan.idle or all(slot.priority.rank > urgent.rank for slot in plan.slots):
-            return True
-        return (
-            self.loop.may_pause
-            and urgent is not Priority.REALTIME  # a step holding realtime rows is never given up
-            and all(s.priority.rank > urgent.rank or s.phase is Phase.DECODE for s in plan.slots)
-            and all(s.priority.rank >= urgent.rank for s in plan.slots)
-            and any(s.priority.rank > urgent.rank and s.phase is Phase.PREFILL for s in plan.slots)
-        )
+        return plan.idle or all(slot.priority.rank > urgent.rank for slot in plan.slots)
 
     def _step(self) -> bool:
         """Run one step; whether it ran any row."""

@@ -109,7 +109,6 @@ class BatchLoop:
         self._paused: PausedStep | None = None
         self._resume_due = False
         """A step ran since the paused one was given up: it goes on next."""
-        self._resuming = False
 
     def submit(self, request: LoopRequest) -> None:
         if request.request_id in self._requests:
@@ -139,12 +138,6 @@ class BatchLoop:
     def open_rows(self) -> int:
         """Requests whose row is open (admitted: in the batch)."""
         return sum(request.row is not None for request in self._requests.values())
-
-    @property
-    def may_pause(self) -> bool:
-        """A step given up now would keep its work (:mod:`.pause`): no step is paused, or the step
-        running is the paused one going on."""
-        return self._paused is None or self._resuming
 
     @property
     def realtime_open(self) -> bool:
@@ -212,7 +205,6 @@ class BatchLoop:
         assert paused is not None
         plan = self.last_plan = self.scheduler.resume_held()
         check = (lambda: interrupt(plan)) if interrupt is not None else None
-        self._resuming = True
         try:
             logits = self.forward.resume(paused, check)
         except StepPaused:
@@ -227,8 +219,6 @@ class BatchLoop:
                 self._requests[slot.request_id]._fed -= slot.tokens
             self.scheduler.abandon(plan)
             raise
-        finally:
-            self._resuming = False
         self._paused, self._resume_due = None, False
         self.scheduler.complete(plan)
         return self._picked(plan, logits, finished)
