@@ -149,6 +149,9 @@ def test_under_load_the_recompute_waits_and_the_sessions_own_request_cancels_it(
 
 def test_a_drain_stops_the_idle_recompute_at_once(engine: Engine) -> None:
     lossy_background_session(engine)
+    # steps of at least 5 ms: the busy request (4,056 tokens) outlasts the drain's 2 s on any
+    # machine (without it, a fast one finished it in under 2 s: finish reason "length")
+    engine.add_step_listener(lambda report: time.sleep(0.005))
     busy = _busy(engine)
     change = engine.set_priority("s", "realtime")
     assert change.recompute is not None
