@@ -283,10 +283,10 @@ class Stepper:
         Tried and not kept (2026-12-07, ``kvstrata bench agents --pool``): also giving up a step that
         holds a less demanding prefill beside other rows (the prefill pausing, the rest rolled
         back): hot P99 1.03x alone at 12 agents, but 2.90x at 20 and the background P99 about 3x.
-        Nor (5d8c4e5, reverted) the same only while no other step is paused, the prefill pausing,
-        never a step with an interactive prefill: pooled over six runs at 12 agents the hot P99
-        stayed where it was (173 against 175 ms) and the background P99 doubled; the hot tail
-        there is each first turn slowed by the load, not a step it could give up."""
+        Nor (5d8c4e5, reverted) the same only while no other step was paused and never for a step
+        holding an interactive prefill: pooled over six runs at 12 agents the hot P99 stayed where
+        it was (173 against 175 ms) and the background P99 doubled; the hot tail there is each
+        first turn slowed by the load, not a step it could give up (docs/benchmarks/pool.md)."""
         urgent = self._urgent
         if urgent is None:
             return False
