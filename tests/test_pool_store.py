@@ -176,21 +176,23 @@ def test_a_restore_copies_pages_as_they_are_and_the_cache_attends_to_them_in_pla
     assert (got[:, :, :, :192] - want[:, :, :, :192]).abs().max() < 0.05
 
 
-def test_pages_that_would_be_a_minority_of_the_row_are_decoded_with_the_rest(open_store: Factory) -> None:
-    """Pages are kept where they hold at least half the tokens the row will hold (its prefix and
-    the room after it); a few in front of many exact tokens are decoded at the restore instead,
-    to the same values: a prefill would copy the exact tokens behind them at every layer."""
+def test_pages_that_would_be_a_minority_of_a_prefill_are_decoded_with_the_rest(open_store: Factory) -> None:
+    """Pages are kept where they hold at least half the tokens a prefill attends to (the prefix
+    and the prompt's tokens after it); a few in front of many exact tokens are decoded at the
+    restore instead, to the same values: the prefill would copy the exact tokens behind them at
+    every layer. The tokens to generate do not count (decode reads pages where they lie)."""
     store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
     _fill(store, "interactive", sessions=1, blocks=4, layout=FP32)
     session = store.session("interactive-0")
-    kept = cache_for(store, session, extra_tokens=128)  # 192 paged tokens of 256 + 128: half
+    kept = store.load(session, paged=True, prefill=128)  # 192 paged tokens of 256 + 128: half
     assert kept.pages is not None and kept.pages.tokens == 192
     hits = store.counters.of(TierLevel.L1).hits
-    decoded = cache_for(store, session, extra_tokens=129)  # 192 of 256 + 129: fewer than half
-    assert decoded.pages is None and not any(isinstance(layer, PagedLayer) for layer in decoded.layers)
-    assert decoded.loaded is not None and decoded.loaded.tokens_by_tier == {TierLevel.L1: 256}
+    decoded = store.load(session, paged=True, prefill=129)  # 192 of 256 + 129: fewer than half
+    assert decoded.pages is None and decoded.tokens_by_tier == {TierLevel.L1: 256}
     assert store.counters.of(TierLevel.L1).hits == hits + 4
-    assert torch.equal(decoded.new_kv(0, 256), kept.new_kv(0, 256))
+    caches = [KVStrataCache.from_loaded(loaded, devices=[None] * 2) for loaded in (kept, decoded)]
+    assert torch.equal(caches[0].new_kv(0, 256), caches[1].new_kv(0, 256))
+    assert cache_for(store, session, extra_tokens=4096).pages is not None
 
 
 def test_a_realtime_session_restores_exact_without_pages(open_store: Factory) -> None:

@@ -127,7 +127,14 @@ class PrefixLoader:
         # Load before truncating, so that the tiers reported are where the KV was found (the
         # truncation reads a kept partial block again, from memory by then).
         own = (
-            store.load(session, own_tokens, capacity=capacity, out=spare, paged=True)
+            store.load(
+                session,
+                own_tokens,
+                capacity=capacity,
+                out=spare,
+                paged=True,
+                prefill=len(prompt_ids) - own_tokens,
+            )
             if own_tokens
             else _empty_load()
         )
@@ -183,8 +190,9 @@ class PrefixLoader:
         want = len(keys) * store.layout.block_tokens
         for paged in [True, False] if session.tail_key is None else [False]:
             shared = store.load_blocks(
-                keys, want, priority=session.priority, capacity=capacity, out=spare, paged=paged
-            )
+                keys, want, priority=session.priority, capacity=capacity, out=spare, paged=paged,
+                prefill=len(prompt_ids) - want,
+            )  # fmt: skip
             if shared.kv is None or shared.num_tokens <= session.num_tokens:
                 return None
             extra = prompt_ids[session.num_tokens : shared.num_tokens]

@@ -286,10 +286,12 @@ class KVStore:
         capacity: int | None = None,
         out: torch.Tensor | None = None,
         paged: bool = False,
+        prefill: int = 0,
     ) -> LoadedKV:
         """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor
-        (:meth:`SessionIO.load`; ``paged``: blocks device memory holds encoded stay encoded)."""
-        return self.io.load(session, num_tokens, capacity=capacity, out=out, paged=paged)
+        (:meth:`SessionIO.load`; ``paged``: blocks device memory holds encoded stay encoded,
+        where they are at least half of these tokens and the ``prefill`` tokens to come)."""
+        return self.io.load(session, num_tokens, capacity=capacity, out=out, paged=paged, prefill=prefill)
 
     def set_priority(self, session: Session, priority: Priority | str) -> tuple[int, int]:
         """Change ``session``'s class; when it rises, its lossy blocks are made exact now from L3's
@@ -306,6 +308,7 @@ class KVStore:
         capacity: int | None = None,
         out: torch.Tensor | None = None,
         paged: bool = False,
+        prefill: int = 0,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
         tensor, or with ``paged`` device memory's encoded blocks as pages (:meth:`SessionIO.load_blocks`)."""
@@ -317,6 +320,7 @@ class KVStore:
             capacity=capacity,
             out=out,
             paged=paged,
+            prefill=prefill,
         )
 
     def checkpoint(self, session: Session) -> None:

@@ -282,13 +282,14 @@ class SessionIO:
         capacity: int | None = None,
         out: torch.Tensor | None = None,
         paged: bool = False,
+        prefill: int = 0,
     ) -> LoadedKV:
         """KV of the session's first ``num_tokens`` tokens (default: all), as one tensor.
 
         Stops at the first block no tier can serve (lost, corrupt); ``missing_from_token`` then
         says where, and the caller recomputes from there. ``capacity``: tokens to make room for
-        in the returned ``buffer`` (the prompt and the answer to come). ``paged``: see
-        :meth:`load_blocks`.
+        in the returned ``buffer`` (the prompt and the answer to come). ``paged``, ``prefill``:
+        see :meth:`load_blocks`.
         """
         want = session.num_tokens if num_tokens is None else min(num_tokens, session.num_tokens)
         session.last_access = time.time()
@@ -296,7 +297,7 @@ class SessionIO:
         keys = session.all_keys()
         loaded = self.load_blocks(
             keys, want, full_blocks=len(session.block_keys), priority=session.priority, capacity=capacity,
-            out=out, paged=paged,
+            out=out, paged=paged, prefill=prefill,
         )  # fmt: skip
         if graded and set(loaded.tokens_by_tier) - {TierLevel.L1}:
             self._pool.settle(session.block_keys)  # promoted from below as they came: to their grades
@@ -327,12 +328,15 @@ class SessionIO:
         capacity: int | None = None,
         out: torch.Tensor | None = None,
         paged: bool = False,
+        prefill: int = 0,
     ) -> LoadedKV:
         """KV of a chain of blocks (for example a shared prefix from ``match_prefix``) as one
         tensor of up to ``num_tokens`` tokens; the first ``full_blocks`` must be full blocks.
         With ``priority``, blocks stored lossier than that class accepts count as missing.
         ``paged``: blocks device memory holds encoded stay encoded (``LoadedKV.pages``), for a
-        cache that attends to them where they lie (``KVStrataCache.from_loaded``).
+        cache that attends to them where they lie (``KVStrataCache.from_loaded``), where they
+        hold at least half of the tokens loaded and the ``prefill`` tokens the caller computes
+        after them (else all are decoded: ``store/restore/paged.py`` says why).
 
         Each block is copied once, straight into one preallocated tensor of ``capacity`` tokens
         (at least ``num_tokens``): ``LoadedKV.buffer``, which ``KVStrataCache`` adopts as is.
@@ -360,8 +364,8 @@ class SessionIO:
         with self._stats.hold(keys):
             if paged:
                 kept = self._pool.restore_paged(
-                    keys, want, full=full, room=max((capacity or 0) - want, 0), priority=prio,
-                    max_loss=max_loss, device=device, out=out if fits else None,
+                    keys, want, full=full, room=max((capacity or 0) - want, 0), prefill=prefill,
+                    priority=prio, max_loss=max_loss, device=device, out=out if fits else None,
                 )  # fmt: skip
                 if kept is not None:
                     self._counters.restored(max(kept.by_tier, default=None), time.perf_counter() - started)

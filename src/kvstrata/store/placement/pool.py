@@ -53,6 +53,7 @@ class DevicePool:
         *,
         full: int,
         room: int,
+        prefill: int,
         priority: Priority | None,
         max_loss: int | None,
         device: torch.device,
@@ -64,8 +65,8 @@ class DevicePool:
         if pages is None:
             return None
         return restore_paged(
-            pages, self._restore, keys, want, full=full, room=room, layout=self._layout, priority=priority,
-            max_loss=max_loss, on=device, out=out,
+            pages, self._restore, keys, want, full=full, room=room, prefill=prefill, layout=self._layout,
+            priority=priority, max_loss=max_loss, on=device, out=out,
         )  # fmt: skip
 
     def upgrade(self, keys: Sequence[BlockKey], priority: Priority) -> tuple[int, int]:

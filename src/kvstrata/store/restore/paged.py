@@ -10,9 +10,9 @@ page covers, in order, as the cache's exact part wants them.
 A block no tier can serve ends the chain there, as in every restore: the pages after it are not
 copied, and the caller recomputes from that token.
 
-Pages are kept only where they hold at least half the tokens the row will hold (the prefix, and
-the ``room`` after it: the prompt's rest and the tokens to generate); else the restore is the
-usual one, every block decoded into the exact buffer. A prefill attends over the pages
+Pages are kept only where they hold at least half the tokens a prefill attends to (the prefix,
+and the prompt's ``prefill`` tokens after it); else the restore is the usual one, every block
+decoded into the exact buffer. A prefill attends over the pages
 dequantized into a scratch buffer with the exact tokens copied behind them, layer by layer
 (:class:`~kvstrata.integrations.transformers.paged.PagedLayer`), and with a few pages in front of
 many exact tokens that copy costs more than the pages save: in ``kvstrata bench trace``'s
@@ -20,7 +20,8 @@ conversation trace (SmolLM2, a first block shared as a page in front of up to 17
 it took 80 us a layer, 2.4 ms a request, and kvstrata's TTFT was 0.7 ms above plain exact LRU's
 per request (paired); decoding such pages at the restore instead brought it to 0.3 ms below.
 Where the pages are the majority (an agent's long history) they stay encoded: the memory they
-save is most of the row's.
+save is most of the row's. The tokens to generate do not count: a decode row's attention reads
+pages and exact tokens where they lie (the native kernel), copying neither.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def restore_paged(
     *,
     full: int,
     room: int,
+    prefill: int,
     layout: KVLayout,
     priority: Priority | None,
     max_loss: int | None,
@@ -79,16 +81,16 @@ def restore_paged(
     out: torch.Tensor | None = None,
 ) -> PagedRestore | None:
     """The first ``want`` tokens of ``keys``' blocks (the first ``full`` full ones), device
-    memory's pages kept as they are; ``room``: tokens to leave room for after them; ``out``: a
-    buffer to reuse for the exact tokens when it has the room. None when device memory holds
-    none of these blocks as pages, or pages for less than half of ``want + room`` tokens (the
-    caller restores as usual)."""
+    memory's pages kept as they are; ``room``: tokens to leave room for after them; ``prefill``:
+    the prompt's tokens the caller computes after them; ``out``: a buffer to reuse for the exact
+    tokens when it has the room. None when device memory holds none of these blocks as pages, or
+    pages for less than half of ``want + prefill`` tokens (the caller restores as usual)."""
     bt = layout.block_tokens
     count = min(len(keys), -(-want // bt))
     expected = [bt if i < count - 1 else want - (count - 1) * bt for i in range(count)]
     found = device.pages(keys[:count], max_loss)
     paged = [h is not None and h[0].tokens == expected[i] for i, h in enumerate(found)]
-    if 2 * sum(n for n, p in zip(expected, paged, strict=True) if p) < want + room:
+    if 2 * sum(n for n, p in zip(expected, paged, strict=True) if p) < want + prefill:
         return None  # a minority of the row's tokens: decoded with the rest (the module's docstring)
     others = [i for i in range(count) if not paged[i]]
     exact_want = sum(expected[i] for i in others)
