@@ -195,6 +195,29 @@ def test_pages_that_would_be_a_minority_of_a_prefill_are_decoded_with_the_rest(o
     assert cache_for(store, session, extra_tokens=4096).pages is not None
 
 
+def test_a_shared_prefix_decoded_from_memory_is_attached_not_appended(
+    open_store: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stateless request whose shared prefix's pages are too few for its prompt gets the blocks
+    decoded, and its session takes them over by key as with pages: appending them again would
+    copy their KV only to touch them (they are in device memory already)."""
+    from kvstrata.engine.prefix import PrefixLoader
+
+    store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
+    _fill(store, "interactive", sessions=1, blocks=4, layout=FP32)
+    prompt = [i % 997 for i in range(256)] + list(range(5, 305))  # 300 tokens to prefill after them
+    appended: list[int] = []
+    real_append = store.append
+    monkeypatch.setattr(store, "append", lambda s, t, kv: appended.append(len(t)) or real_append(s, t, kv))
+    session = store.create_session("stateless", priority="interactive", transient=True)
+    prefix = PrefixLoader(store).load(session, prompt, 600, None)
+    assert prefix.source is not None and prefix.source.pages is None and appended == []
+    assert prefix.num_tokens == session.num_tokens == 256 and prefix.by_tier["L1"] == 256
+    assert session.block_keys == store.session("interactive-0").block_keys
+    assert prefix.kv is not None
+    assert torch.equal(prefix.kv[:, :, :, 192:], token_kv(FP32, prompt[:256])[:, :, :, 192:])
+
+
 def test_a_realtime_session_restores_exact_without_pages(open_store: Factory) -> None:
     store = open_store(layout=FP32, ladder=POOL, l1_budget_bytes=64 * FP32.bytes_per_block, l2_budget_bytes=0)
     _fill(store, "realtime", sessions=1, blocks=4, layout=FP32)

@@ -183,9 +183,9 @@ class PrefixLoader:
         """The namespace's shared blocks ``keys`` loaded, and the session extended by them (keys
         are content-addressed: the session's own blocks are the first shared ones). Where the
         session ends on a block boundary (a new session always does), device memory's pages are
-        kept as they are and the blocks attached to the session with no KV copied; else, or where
-        a block went meanwhile, the blocks are decoded and appended. None: they hold no more than
-        the session does."""
+        kept as they are and the blocks attached to the session with no KV copied (so are blocks
+        decoded from device or host memory); else, or where a block went meanwhile, the blocks
+        are decoded and appended. None: they hold no more than the session does."""
         store = self.store
         want = len(keys) * store.layout.block_tokens
         for paged in [True, False] if session.tail_key is None else [False]:
@@ -197,7 +197,11 @@ class PrefixLoader:
                 return None
             extra = prompt_ids[session.num_tokens : shared.num_tokens]
             if shared.pages is None:
-                store.append(session, extra, shared.kv[:, :, :, session.num_tokens : shared.num_tokens])
+                # all decoded: blocks served from memory are attached too (appending them again
+                # would copy their KV to touch them); one from L3 is appended, placed in memory
+                in_memory = paged and set(shared.tokens_by_tier) <= {TierLevel.L1, TierLevel.L2}
+                if not (in_memory and store.attach(session, extra)):
+                    store.append(session, extra, shared.kv[:, :, :, session.num_tokens : shared.num_tokens])
                 return shared
             if store.attach(session, extra):
                 return shared
