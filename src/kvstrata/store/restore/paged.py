@@ -12,13 +12,14 @@ copied, and the caller recomputes from that token.
 
 Pages are kept only where they hold at least half the tokens a prefill attends to (the prefix,
 and the prompt's ``prefill`` tokens after it); else the restore is the usual one, every block
-decoded into the exact buffer. A prefill attends over the pages
-dequantized into a scratch buffer with the exact tokens copied behind them, layer by layer
+decoded into the exact buffer. A prefill attends over the pages dequantized into a scratch
+buffer with the exact tokens copied behind them, layer by layer
 (:class:`~kvstrata.integrations.transformers.paged.PagedLayer`), and with a few pages in front of
 many exact tokens that copy costs more than the pages save: in ``kvstrata bench trace``'s
 conversation trace (SmolLM2, a first block shared as a page in front of up to 177 exact tokens)
 it took 80 us a layer, 2.4 ms a request, and kvstrata's TTFT was 0.7 ms above plain exact LRU's
-per request (paired); decoding such pages at the restore instead brought it to 0.3 ms below.
+per request (each request replayed under both, one after the other); decoding such pages at the
+restore instead brought it to 0.25-0.55 ms below.
 Where the pages are the majority (an agent's long history) they stay encoded: the memory they
 save is most of the row's. The tokens to generate do not count: a decode row's attention reads
 pages and exact tokens where they lie (the native kernel), copying neither.
