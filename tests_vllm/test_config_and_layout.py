@@ -158,6 +158,50 @@ def test_probe_learns_the_backend_page_format() -> None:
     assert not torch.equal(PageFormat.dense((heads, tokens, 2 * dim), dim).pages_to_blocks(pages), blocks)
 
 
+class _Fp8Impl(_CpuStyleImpl):
+    """The CPU layout in a ``uint8`` cache holding ``fmt`` (vLLM's fp8 caches)."""
+
+    def __init__(self, fmt: torch.dtype) -> None:
+        self.fmt = fmt
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        assert kv_cache.dtype == torch.uint8 and key.dtype == torch.bfloat16
+        key, value, kv_cache = key.to(self.fmt), value.to(self.fmt), kv_cache.view(self.fmt)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_probe_learns_an_fp8_page_format_and_checks_the_format(fmt: torch.dtype) -> None:
+    heads, tokens, dim = 2, 16, 64  # 4,096 elements: four base-8 digits
+    cache = torch.zeros(4, heads, tokens, 2 * dim, dtype=torch.uint8)
+    layer = type("Layer", (), {"impl": _Fp8Impl(fmt)})()
+    found = PageFormat.probe(layer, cache, dim, tokens, elements=fmt, inputs=torch.bfloat16)
+    assert found is not None and found.source == "probed"
+    bf16_cache = torch.zeros(4, heads, tokens, 2 * dim, dtype=torch.bfloat16)
+    bf16 = PageFormat.probe(_Layer(), bf16_cache, dim, tokens)
+    assert bf16 is not None and torch.equal(found.index, bf16.index)  # the same placement
+    other = torch.float8_e5m2 if fmt == torch.float8_e4m3fn else torch.float8_e4m3fn
+    assert PageFormat.probe(layer, cache, dim, tokens, elements=other, inputs=torch.bfloat16) is None
+
+
+def test_fp8_caches_get_fp8_layouts_and_other_quantized_caches_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from kvstrata.integrations.vllm.layout import cache_dtype
+
+    def config(name: str) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=name))
+
+    assert cache_dtype(config("auto"), torch.bfloat16) is torch.bfloat16
+    assert cache_dtype(config("fp8"), torch.uint8) is torch.float8_e4m3fn
+    assert cache_dtype(config("fp8_e4m3"), torch.uint8) is torch.float8_e4m3fn
+    assert cache_dtype(config("fp8_e5m2"), torch.uint8) is torch.float8_e5m2
+    refused = (("int8_per_token_head", torch.int8), ("nvfp4", torch.uint8), ("fp8_ds_mla", torch.uint8))
+    for name, allocated in refused:
+        with pytest.raises(ConfigError, match=f"KV cache dtype '{name}'"):
+            cache_dtype(config(name), allocated)
+
+
 def test_dense_format_round_trip() -> None:
     fmt = PageFormat.dense((2, 4, 6), 3)
     pages = torch.randn(5, 2, 4, 6)

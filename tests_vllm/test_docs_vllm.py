@@ -96,7 +96,8 @@ def _run_serve(code: str, tmp_path: Path, block: DocBlock) -> None:
     # the block's command, on a free port, with the tiny model's length and vLLM's CPU defaults
     command = code.strip().replace("vllm serve", vllm_command(), 1)
     command = re.sub(r"^python3?(?= -m vllm\.)", sys.executable, command)
-    script.write_text(f"exec {command} --port {port} --max-model-len 1024 --enforce-eager --dtype float32\n")
+    dtype = "" if "--dtype" in command else " --dtype float32"  # the block's own, else the tiny model's
+    script.write_text(f"exec {command} --port {port} --max-model-len 1024 --enforce-eager{dtype}\n")
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -161,4 +162,12 @@ def test_vllm_block(block: DocBlock, models, redis_url: str, tmp_path: Path) -> 
     # where the CLI's --store finds it
     from kvstrata.cli.stores import find_stores
 
-    assert find_stores(store), sorted(p.name for p in tmp_path.iterdir())
+    found = find_stores(store)
+    assert found, sorted(p.name for p in tmp_path.iterdir())
+    if "--kv-cache-dtype fp8" in code:  # the blocks are stored as the fp8 cache holds them
+        from kvstrata.store import KVStore
+
+        with KVStore(found[0], read_only=True) as opened:
+            assert opened.layout.dtype == "float8_e4m3fn"
+            l3 = next(tier for tier in opened.stats().tiers if tier.tier == "L3")
+        assert l3.blocks >= 2  # the completion's two full blocks

@@ -45,6 +45,7 @@ def make_llm(spec: dict):
     return LLM(
         model=spec["model"],
         dtype=spec.get("dtype", "float32"),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         enforce_eager=True,
         enable_prefix_caching=False,
         max_model_len=spec.get("max_model_len", 4096),

@@ -23,6 +23,9 @@ from kvstrata.errors import ConfigError
 from kvstrata.policy.ladder import CodecLadder
 from kvstrata.tiering import RemoteConfig
 
+if typing.TYPE_CHECKING:
+    from kvstrata.layout import KVLayout
+
 MiB = 1 << 20
 GiB = 1 << 30
 DAY_S = 86_400.0
@@ -227,6 +230,12 @@ class StoreConfig:
         :class:`RemoteConfig`'s fields, ``encryption_key`` 64 hex characters, ``namespace_quotas``
         an object of namespace -> ``{"l1_bytes": .., "l2_bytes": .., "l3_bytes": ..}``."""
         return _from_mapping(cls, data, where, _STORE_PARSERS)
+
+    def for_layout(self, layout: KVLayout) -> StoreConfig:
+        """This config for a store of ``layout``: its ladder as :meth:`CodecLadder.for_layout` fits
+        it (fp8 blocks are stored only byte for byte)."""
+        ladder = self.ladder.for_layout(layout)
+        return self if ladder is self.ladder else dataclasses.replace(self, ladder=ladder)
 
 
 def check_cold_dir(path: str) -> None:

@@ -18,7 +18,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    # vLLM's fp8 KV caches (``--kv-cache-dtype fp8``): stored byte for byte, never re-encoded
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+"""Layout dtypes that only the byte-exact codecs store (``CodecLadder.check_layout``)."""
 
 LAYOUT_FINGERPRINT_BYTES = 16
 
@@ -59,6 +64,11 @@ class KVLayout:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        """Whether blocks are 8-bit floats (vLLM's fp8 caches): kept as they are, never re-quantized."""
+        return self.dtype in FP8_DTYPES
 
     @property
     def itemsize(self) -> int:

@@ -27,6 +27,8 @@ _NUMPY_VIEW = {
     torch.float32: np.float32,
     torch.float16: np.float16,
     torch.bfloat16: np.uint16,  # numpy has no bfloat16: copy the bits
+    torch.float8_e4m3fn: np.uint8,  # nor fp8
+    torch.float8_e5m2: np.uint8,
     torch.float64: np.float64,
     torch.uint8: np.uint8,
     torch.int8: np.int8,
@@ -47,6 +49,8 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     view_dtype = _NUMPY_VIEW[tensor.dtype]
     if tensor.dtype is torch.bfloat16:
         tensor = tensor.view(torch.uint16) if hasattr(torch, "uint16") else tensor.view(torch.int16)
+    elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = tensor.view(torch.uint8)
     array = tensor.numpy()
     return array if array.dtype == view_dtype else array.view(view_dtype)
 

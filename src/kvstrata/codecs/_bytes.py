@@ -20,11 +20,19 @@ from kvstrata.errors import CodecError, ConfigError, CorruptBlockError
 from kvstrata.layout import KVLayout
 
 # Codes written into params records; never renumber them.
-_DTYPE_TO_CODE: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE_TO_CODE: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
 _CODE_TO_DTYPE: dict[int, torch.dtype] = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
+_FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 # Same-width unsigned views, so bit-pattern transforms never see float semantics (NaN, -0.0).
-_UINT_VIEW: dict[int, np.dtype] = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
-_TORCH_INT_VIEW: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32}
+UINT_VIEW: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+_TORCH_INT_VIEW: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_TORCH_FROM_UINT: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
 
 U16_MAX = 0xFFFF
 
@@ -40,11 +48,12 @@ def dtype_from_code(code: int, codec_name: str) -> torch.dtype:
     return dtype
 
 
-def check_block_tensor(kv: torch.Tensor, codec_name: str) -> None:
-    """Raise ``CodecError`` unless ``kv`` is a non-empty ``(2, L, H, T, D)`` float block."""
+def check_block_tensor(kv: torch.Tensor, codec_name: str, byte_exact: bool = False) -> None:
+    """Raise ``CodecError`` unless ``kv`` is a non-empty ``(2, L, H, T, D)`` float block; fp8
+    blocks only for a ``byte_exact`` codec (a lossy one would quantize values already quantized)."""
     if not isinstance(kv, torch.Tensor):
         raise CodecError(f"{codec_name} encodes a torch.Tensor, got {type(kv).__name__}")
-    if kv.dtype not in _DTYPE_TO_CODE:
+    if kv.dtype not in _DTYPE_TO_CODE or (kv.dtype in _FP8 and not byte_exact):
         raise CodecError(f"{codec_name} cannot encode dtype {kv.dtype}")
     if kv.dim() != 5 or kv.shape[0] != 2 or kv.numel() == 0:
         raise CodecError(f"{codec_name} encodes a (2, L, H, T, D) block, got shape {tuple(kv.shape)}")
@@ -182,11 +191,11 @@ def decompress(
 def uint_view(kv: torch.Tensor) -> np.ndarray:
     """The block's bit patterns as a numpy unsigned array of the same element width (on CPU)."""
     ints = kv.detach().to("cpu").contiguous().view(_TORCH_INT_VIEW[kv.element_size()])
-    return ints.numpy().view(_UINT_VIEW[kv.element_size()])
+    return ints.numpy().view(UINT_VIEW[kv.element_size()])
 
 
 def from_uint_view(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    signed = np.ascontiguousarray(bits).view(np.int16 if bits.itemsize == 2 else np.int32)
+    signed = np.ascontiguousarray(bits).view(_TORCH_FROM_UINT[bits.itemsize])
     if not signed.flags.writeable:
         signed = signed.copy()
     return torch.from_numpy(signed).view(dtype)

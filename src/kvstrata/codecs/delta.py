@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvstrata.codecs._bytes import (
+    UINT_VIEW,
     Backend,
     ParamsRecord,
     byte_shuffle,
@@ -57,7 +58,7 @@ class DeltaCodec:
         require_zstd_level("DeltaCodec", self.level)
 
     def encode(self, kv: torch.Tensor, ctx: BlockContext = DEFAULT_CONTEXT) -> EncodedBlock:
-        check_block_tensor(kv, self.name)
+        check_block_tensor(kv, self.name, byte_exact=True)
         bits = uint_view(kv)
         residual = bits.copy()
         residual[:, :, :, 1:] -= bits[:, :, :, :-1]  # unsigned: wraps modulo 2**bits
@@ -75,6 +76,6 @@ class DeltaCodec:
         shape = check_num_tokens(block, layout, self.name)
         data = decompress(block.payload, backend, numel(shape) * source.itemsize, self.name)
         raw = byte_unshuffle(np.frombuffer(data, dtype=np.uint8), source.itemsize)
-        residual = raw.view(np.uint16 if source.itemsize == 2 else np.uint32).reshape(shape)
+        residual = raw.view(UINT_VIEW[source.itemsize]).reshape(shape)
         bits = np.cumsum(residual, axis=_TOKEN_AXIS, dtype=residual.dtype)
         return from_uint_view(bits, source).to(layout.torch_dtype)

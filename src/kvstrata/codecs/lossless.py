@@ -62,7 +62,7 @@ class LosslessCodec:
         require_zstd_level("LosslessCodec", self.level)
 
     def encode(self, kv: torch.Tensor, ctx: BlockContext = DEFAULT_CONTEXT) -> EncodedBlock:
-        check_block_tensor(kv, self.name)
+        check_block_tensor(kv, self.name, byte_exact=True)
         raw = np.frombuffer(tensor_bytes(kv), dtype=np.uint8)
         shuffled = byte_shuffle(raw, kv.element_size()).tobytes()
         backend, payload = compress_or_raw(shuffled, BACKENDS_BY_NAME[self.backend], self.level)

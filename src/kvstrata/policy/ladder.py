@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.grades import Grade, GradedCodecs
@@ -27,6 +28,9 @@ from kvstrata.tiering import TierLevel
 
 GRADED = "graded"
 """An L1 rung of this name holds the class's blocks by grade inside their session (``grades``)."""
+
+if TYPE_CHECKING:
+    from kvstrata.layout import KVLayout
 
 # The codecs are imported where they are used: they load torch, and the store's configuration
 # (which holds a ladder) must import without it.
@@ -113,6 +117,33 @@ class CodecLadder:
         if not isinstance(archived, str):
             raise ConfigError(f"{where}.archived must be a codec name, got {archived!r}")
         return cls(rungs["realtime"], rungs["interactive"], rungs["background"], archived, recent)
+
+    def for_layout(self, layout: KVLayout) -> CodecLadder:
+        """The ladder a store of ``layout`` runs: this one, except for fp8 blocks (vLLM's fp8 KV
+        caches), which are kept byte for byte: the default ladder becomes :meth:`exact` there, and
+        a ladder naming a lossy codec for them is refused (it would quantize values already
+        quantized, after a round trip through another dtype)."""
+        if not layout.fp8:
+            return self
+        if self == CodecLadder():
+            return CodecLadder.exact()
+        from kvstrata.codecs import get_codec
+
+        grades = [self.grades.top, self.grades.middle, self.grades.bottom]
+        for priority in Priority:
+            rung = self.rung(priority)
+            l1 = grades if rung.l1 == GRADED else [rung.l1]
+            named = [*(("L1", name or "identity") for name in l1), ("L2", rung.l2), ("L3", rung.l3)]
+            if priority is not Priority.REALTIME:
+                named.append(("cold/", self.archived))
+            for tier, name in named:
+                if not get_codec(name).lossless:
+                    raise ConfigError(
+                        f"codec {name!r} cannot store {layout.dtype} KV ({tier}, the {priority.value} "
+                        "class): fp8 blocks are kept byte for byte; use identity, lossless or delta "
+                        "(ladder 'exact')"
+                    )
+        return self
 
     def rung(self, priority: Priority) -> Rung:
         return {

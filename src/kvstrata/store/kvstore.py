@@ -84,6 +84,7 @@ class KVStore:
             keyring = Keyring(key) if key is not None else None
             self.index = open_index(self.root, layout, self.config, read_only=read_only, keyring=keyring)
             self.layout = self.index.layout
+            self.config = self.config.for_layout(self.layout)
             self.model_fingerprint = model_fingerprint
             check_encryption_key(self.root, self.index, self.config.encryption_key, read_only=read_only)
             parts = open_parts(

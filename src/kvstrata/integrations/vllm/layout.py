@@ -29,7 +29,7 @@ from kvstrata.layout import KVLayout, dtype_name
 log = logging.getLogger(__name__)
 
 _PROBE_BASE = 128  # integers below this are exact in bf16, fp16 and fp32
-_PROBE_DIGITS = 3
+_PROBE_BASE_FP8 = 8  # and below this in both fp8 formats (E5M2 has two mantissa bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +69,41 @@ def attention_geometry(vllm_config: Any, kv_cache_config: Any | None) -> Attenti
     parallel = vllm_config.parallel_config
     num_layers = model_config.get_num_layers(parallel)
     cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model_config.dtype if cache_dtype == "auto" else None
+    dtype = model_config.dtype if cache_dtype == "auto" else FP8_CACHES.get(cache_dtype)
     if dtype is None:
-        raise ConfigError(f"KV cache dtype {cache_dtype!r} is not supported by kvstrata (use 'auto')")
+        raise ConfigError(
+            f"KV cache dtype {cache_dtype!r} is not supported by kvstrata (use 'auto' or one of "
+            f"{', '.join(FP8_CACHES)})"
+        )
     return AttentionGeometry(
         tuple(f"layer.{i}" for i in range(num_layers)),
         model_config.get_num_kv_heads(parallel),
         model_config.get_head_size(),
         vllm_config.cache_config.block_size,
         dtype,
+    )
+
+
+FP8_CACHES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8" is E4M3 (the probe checks the backend agrees)
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""vLLM's fp8 KV cache dtypes kvstrata stores as they are: vLLM allocates them as ``uint8``; the
+connector views them as the 8-bit float they hold (same bytes)."""
+
+
+def cache_dtype(vllm_config: Any, allocated: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache's elements are: what vLLM allocated, or the fp8 format a ``uint8``
+    cache holds (``--kv-cache-dtype fp8``, ``fp8_e4m3``, ``fp8_e5m2``)."""
+    name = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if name in ("auto", "float32", "float16", "half", "bfloat16", "float") and allocated.is_floating_point:
+        return allocated
+    if name in FP8_CACHES and allocated in (torch.uint8, FP8_CACHES[name]):
+        return FP8_CACHES[name]
+    raise ConfigError(
+        f"vLLM's KV cache dtype {name!r} ({allocated}) is not supported by kvstrata: use 'auto' "
+        f"(the model's dtype) or one of {', '.join(FP8_CACHES)}"
     )
 
 
@@ -97,7 +123,7 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any | None) -> KVLayout:
         )
     geometry = attention_geometry(vllm_config, kv_cache_config)
     try:
-        dtype = dtype_name(geometry.dtype)
+        dtype = dtype_name(cache_dtype(vllm_config, geometry.dtype))
     except ConfigError as exc:
         raise ConfigError(f"vLLM's KV cache dtype is not supported by kvstrata: {exc}") from exc
     return KVLayout(
@@ -181,14 +207,30 @@ class PageFormat:
         return cls(page_shape, flat.permute(2, 0, 1, 3).contiguous(), "dense")
 
     @classmethod
-    def probe(cls, layer: Any, kv_cache: torch.Tensor, head_size: int, block_size: int) -> PageFormat | None:
+    def probe(
+        cls,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        head_size: int,
+        block_size: int,
+        *,
+        elements: torch.dtype | None = None,
+        inputs: torch.dtype | None = None,
+    ) -> PageFormat | None:
         """Ask the attention backend where it writes K and V: ``layer.impl.do_kv_cache_update``
         fills a one-page scratch cache with coded values, read back digit by digit. None when the
-        backend offers no such call or the result is not a clean permutation."""
+        backend offers no such call or the result is not a clean permutation.
+
+        ``kv_cache`` is as vLLM allocated it; ``elements`` is what its elements are when that
+        differs (an fp8 format in a ``uint8`` cache), ``inputs`` the dtype of the K and V the
+        backend is handed (the model's). fp8 holds only small integers exactly: base 8 digits."""
         impl = getattr(layer, "impl", None)
         update = getattr(impl, "do_kv_cache_update", None)
         if update is None:
             return None
+        elements = elements or kv_cache.dtype
+        inputs = inputs or kv_cache.dtype
+        base = _PROBE_BASE if elements.itemsize > 1 else _PROBE_BASE_FP8
         page_shape = tuple(kv_cache.shape[1:])
         heads = page_shape[0]
         n = 2 * heads * block_size * head_size
@@ -196,15 +238,21 @@ class PageFormat:
         found = torch.zeros(int(torch.tensor(page_shape).prod()), dtype=torch.long)
         written = torch.ones_like(found, dtype=torch.bool)
         slots = torch.arange(block_size, dtype=torch.long, device=kv_cache.device)
+        digits = 1
+        while base**digits < n:
+            digits += 1
         try:
-            for digit in range(_PROBE_DIGITS):
-                scale = _PROBE_BASE**digit
-                coded = ((ids // scale) % _PROBE_BASE).to(kv_cache.dtype).to(kv_cache.device)
-                scratch = torch.full((1, *page_shape), -1.0, dtype=kv_cache.dtype, device=kv_cache.device)
-                update(layer, coded[0].contiguous(), coded[1].contiguous(), scratch, slots)
+            for digit in range(digits):
+                scale = base**digit
+                coded = ((ids // scale) % base).to(inputs).to(kv_cache.device)
+                scratch = torch.full((1, *page_shape), -1.0, dtype=elements, device=kv_cache.device)
+                key, value = coded[0].contiguous(), coded[1].contiguous()
+                update(layer, key, value, scratch.view(kv_cache.dtype), slots)
                 values = scratch.reshape(-1).to(torch.float32).cpu()
+                if not bool((values == values.round()).all()):
+                    return None  # not the element format assumed
                 written &= values >= 0
-                found += values.clamp(min=0).round().to(torch.long) * scale
+                found += values.clamp(min=0).to(torch.long) * scale
         except Exception as exc:  # a backend that needs more context than a scratch page
             log.info("kvstrata: probing the KV page layout failed (%s); assuming dense pages", exc)
             return None
@@ -212,6 +260,8 @@ class PageFormat:
             return None
         positions = torch.nonzero(written).squeeze(1)
         index = torch.full((n,), -1, dtype=torch.long)
+        if bool((found[positions] >= n).any()):
+            return None
         index[found[positions]] = positions
         if bool((index < 0).any()):
             return None

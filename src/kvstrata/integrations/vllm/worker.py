@@ -59,6 +59,7 @@ class WorkerSide:
         self._layer_pos: dict[str, int] = {}
         self._format: PageFormat | None = None
         self._format_lock = threading.Lock()
+        self._allocated: torch.Tensor | None = None
         self._copies: dict[int, list[torch.Tensor | None]] = {}
         self._failed_pages: set[int] = set()
         self._failed_lock = threading.Lock()
@@ -100,8 +101,14 @@ class WorkerSide:
                     f"KV cache of {name} has shape {tuple(cache.shape)}; expected [blocks, heads, "
                     f"{self.layout.block_tokens}, content]"
                 )
-        self.layers = named
+        self._allocated = named[0][1] if named else None
+        # an fp8 cache is allocated as uint8: viewed as the fp8 it holds, its pages copy byte for byte
+        self.layers = [(name, self._typed(cache)) for name, cache in named]
         self._layer_pos = {name: i for i, (name, _) in enumerate(named)}
+
+    def _typed(self, cache: torch.Tensor) -> torch.Tensor:
+        dtype = self.layout.torch_dtype
+        return cache.view(dtype) if self.layout.fp8 and cache.dtype != dtype else cache
 
     def page_format(self) -> PageFormat:
         """How K and V lie in a page, learned once from the attention backend (see PageFormat)."""
@@ -112,6 +119,7 @@ class WorkerSide:
 
     def _probe_format(self) -> PageFormat:
         name, cache = self.layers[0]
+        allocated = self._allocated if self._allocated is not None else cache
         layer = None
         try:
             context = self.vllm_config.compilation_config.static_forward_context
@@ -120,7 +128,15 @@ class WorkerSide:
             pass
         fmt = None
         if layer is not None:
-            fmt = PageFormat.probe(layer, cache, self.layout.head_dim, self.layout.block_tokens)
+            inputs = self.vllm_config.model_config.dtype if self.layout.fp8 else None
+            geometry = (self.layout.head_dim, self.layout.block_tokens)
+            fmt = PageFormat.probe(layer, allocated, *geometry, elements=cache.dtype, inputs=inputs)
+        if fmt is None and self.layout.fp8:
+            # dense pages are a guess; for fp8 the probe also checks the format (E4M3 or E5M2)
+            raise ConfigError(
+                f"kvstrata could not learn where vLLM's attention backend puts K and V in its "
+                f"{self.layout.dtype} KV cache pages, nor check their format; not storing them"
+            )
         if fmt is None:
             fmt = PageFormat.dense(tuple(cache.shape[1:]), self.layout.head_dim)  # type: ignore[arg-type]
         log.info("kvstrata: KV page format %s, page shape %s", fmt.source, fmt.page_shape)
@@ -214,7 +230,8 @@ class WorkerSide:
         for i, spec in enumerate(meta.saves):
             copies = self._copies.setdefault(i, [None] * len(self.layers))
             ids = torch.tensor(spec.page_ids, dtype=torch.long, device=kv_layer.device)
-            copies[pos] = kv_layer[ids]  # advanced indexing copies: the only work on the forward path
+            # advanced indexing copies: the only work on the forward path
+            copies[pos] = self._typed(kv_layer[ids])
 
     def wait_for_save(self, meta: KVStrataConnectorMetadata) -> None:
         copies, self._copies = self._copies, {}
