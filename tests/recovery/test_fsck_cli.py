@@ -259,3 +259,31 @@ def test_rebuild_of_an_encrypted_store_needs_its_key(tmp_path: Path, monkeypatch
         session = store.session("secret")
         assert session.token_ids == tokens
         assert torch.equal(store.load(session).kv, token_kv(LAYOUT, tokens))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_a_store_of_blocks_only_rebuilds_its_index_from_its_segments(tmp_path: Path, dtype: str) -> None:
+    """vLLM's connector keeps blocks, no sessions, so its store has no journal file: the layout a
+    rebuild needs comes from the segments' info records."""
+    from conftest import make_block
+
+    layout = dataclasses.replace(LAYOUT, dtype=dtype)
+    blocks = [make_block(layout, seed) for seed in range(6)]
+    with KVStore(tmp_path, layout, model_fingerprint=b"m", config=CONFIG) as store:
+        for block in blocks:
+            store.blocks.put(block, namespace="default")
+        store.flush()
+    assert not list((tmp_path / "journal").glob("*"))  # no session: no journal file
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+
+    rebuilt = runner.invoke(app, ["fsck", "--rebuild", "--store", str(tmp_path)])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert runner.invoke(app, ["fsck", "--store", str(tmp_path)]).exit_code == 0
+    with KVStore(tmp_path, model_fingerprint=b"m", config=CONFIG) as store:
+        assert store.layout == layout
+        for block in blocks:
+            got = store.blocks.get(block.key)
+            assert got is not None
+            stored, original = got.decoded(layout), block.tensor
+            assert torch.equal(stored.view(torch.uint8), original.view(torch.uint8))  # type: ignore[union-attr]

@@ -143,7 +143,7 @@ class Compactor:
         final = self._files.segment_path(new_id)
         # the new segment ends with its info record too (the store's id; namespaces not recorded)
         info = segment_info_parts(
-            self._files.store_id, seq_of(new_id) or 0, [None] * len(records), layout_fingerprint
+            self._files.store_id, seq_of(new_id) or 0, [None] * len(records), self._layout
         )
         segment = PendingSegment(self._files.temp_for(final), final, [*records, info], [])
         write_segment(segment)

@@ -32,10 +32,11 @@ from kvstrata.store.processes import ProcessRegistry
 from kvstrata.store.recovery.identity import NEEDS_FSCK_META, STORE_ID_META
 from kvstrata.store.recovery.journal import newest_entries
 from kvstrata.store.recovery.opening import journal_identity
-from kvstrata.store.recovery.records import JournalEntry
+from kvstrata.store.recovery.records import JournalEntry, trailing_info
 from kvstrata.store.recovery.scan import DataScan, FoundRecord, Progress, scan_store
 from kvstrata.store.roots import INDEX_FILE
 from kvstrata.store.tiers.disk.fileio import fsync_dir
+from kvstrata.store.tiers.disk.files import SEGMENT_SUFFIX, SEGMENTS_DIR
 
 _INDEX_PARTS = ("", "-wal", "-shm")
 
@@ -137,10 +138,12 @@ def _rebuild(root: Path, keyring: Keyring | None, progress: Progress | None, sta
         notes.append(f"old index: of another store ({old.store_id[:12]}); its contents are not used")
         old = OldIndex(problem="of another store")
     layout = known[1] if known is not None and known[1] is not None else old.layout
+    if layout is None:  # a store of blocks only (no sessions, so no journal): its segments say
+        layout = segment_layout(root)
     if layout is None:
         raise StoreFormatError(
-            f"{root}: cannot tell the store's layout (the index is unreadable and no journal file has a "
-            "readable header); nothing was changed"
+            f"{root}: cannot tell the store's layout (the index is unreadable, and neither a journal "
+            "file nor a segment names it); nothing was changed"
         )
     scan = scan_store(root, layout.fingerprint, keyring, progress)
     store_id = known[0] if known is not None else old.store_id or _majority(scan.store_ids)
@@ -184,6 +187,26 @@ def _rebuild(root: Path, keyring: Keyring | None, progress: Progress | None, sta
         moved,
         time.perf_counter() - started,
     )
+
+
+def segment_layout(root: Path, most: int = 16) -> KVLayout | None:
+    """The layout the newest segments' info records name (the one most of them agree on)."""
+    votes: Counter[str] = Counter()
+    for path in sorted(root.glob(f"{SEGMENTS_DIR}/*{SEGMENT_SUFFIX}"), key=_mtime, reverse=True)[:most]:
+        _, info = trailing_info(path)
+        if info is not None and info.layout:
+            votes[info.layout] += 1
+    for text, _ in votes.most_common():
+        with contextlib.suppress(KVStrataError):
+            return KVLayout.from_json(text)
+    return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _majority(ids: Counter[str]) -> str | None:

@@ -29,6 +29,7 @@ from kvstrata.codecs.base import CodecId, EncodedBlock
 from kvstrata.crypto import Keyring
 from kvstrata.errors import CorruptBlockError
 from kvstrata.keys import BlockKey
+from kvstrata.layout import KVLayout
 from kvstrata.store.index.session_rows import COLUMNS, SessionRow
 from kvstrata.store.kvbin import (
     KIND_JOURNAL_HEADER,
@@ -193,7 +194,7 @@ class FileInfo:
     store_id: str
     seq: int
     layout: str | None = None
-    """The store's layout as JSON (journal headers)."""
+    """The store's layout as JSON (journal headers; segments written since 2026-12-07)."""
     namespaces: tuple[str | None, ...] = ()
     """Per block record of a segment, in file order, its namespace."""
     key_check: str | None = None
@@ -206,19 +207,22 @@ class FileInfo:
 
 
 def segment_info_parts(
-    store_id: str, seq: int, namespaces: list[str | None], layout_fingerprint: bytes, *, checksum: bool = True
+    store_id: str, seq: int, namespaces: list[str | None], layout: KVLayout, *, checksum: bool = True
 ) -> list[bytes | memoryview]:
-    """The info record that ends a segment (its parts; without the trailer for a direct write)."""
+    """The info record that ends a segment (its parts; without the trailer for a direct write).
+    It names the store's layout too: a store of blocks only (vLLM's connector keeps no sessions,
+    so writes no journal) can rebuild a lost index from its segments alone."""
     names = sorted({n for n in namespaces if n is not None})
     codes = {n: i for i, n in enumerate(names)}
     head = {
         "format": RECORDS_FORMAT,
         "store_id": store_id,
         "seq": seq,
+        "layout": layout.to_json(),
         "namespaces": names,
         "record_namespaces": [codes[n] if n is not None else -1 for n in namespaces],
     }
-    return _parts(KIND_SEGMENT_INFO, _NO_KEY, _body(head), layout_fingerprint, None, None, checksum)
+    return _parts(KIND_SEGMENT_INFO, _NO_KEY, _body(head), layout.fingerprint, None, None, checksum)
 
 
 def journal_header_record(

@@ -82,7 +82,7 @@ class DiskBatch:
         self._refusals = refusals
         self._direct_writes = direct_writes
         self._budget_bytes = budget_bytes
-        self._layout_fingerprint = records.layout.fingerprint
+        self._layout = records.layout
         self.id = files.new_id()
         self.final = files.segment_path(self.id)
         self.tmp = files.temp_for(self.final)
@@ -269,7 +269,7 @@ class DiskBatch:
                 self._files.store_id,
                 seq_of(self.id) or 0,
                 namespaces,
-                self._layout_fingerprint,
+                self._layout,
                 checksum=checksum,
             )
 
