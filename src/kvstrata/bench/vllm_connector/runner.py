@@ -4,6 +4,7 @@ vLLM without it (issue #15, acceptance 8).
 Run with the vLLM virtual environment (``bash scripts/make_vllm_venv.sh`` makes it)::
 
     .venv-vllm/bin/python -m kvstrata.bench.vllm_connector [--repeats 5] [--layers 8 --hidden 512]
+    .venv-vllm/bin/python -m kvstrata.bench.vllm_connector --dtype bfloat16 --kv-cache-dtype fp8
 
 Servers run side by side, each started the documented way (``python -m
 vllm.entrypoints.openai.api_server``, vLLM's default multi-process mode: the scheduler in the
@@ -57,6 +58,7 @@ COLD_ENGINES = ("recompute", "kvstrata-L3")
 VOCAB = (3, 259)  # byte tokens of kvstrata's tiny tokenizer
 BLOCK = 128  # vLLM's block size on the CPU backend
 MODEL_NAME = "bench"
+FP8_LAYOUTS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def _free_port() -> int:
@@ -70,7 +72,7 @@ def _free_port() -> int:
 class Engine:
     """One vLLM server process group."""
 
-    def __init__(self, name: str, model: Path, work: Path, max_len: int) -> None:
+    def __init__(self, name: str, model: Path, work: Path, max_len: int, dtypes: tuple[str, str]) -> None:
         self.name = name
         self.root = work / name if name.startswith("kvstrata") else None
         self.port = _free_port()
@@ -79,7 +81,8 @@ class Engine:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(max_len), "--enforce-eager", "--dtype", "float32", "--seed", "0",
+            "--max-model-len", str(max_len), "--enforce-eager", "--dtype", dtypes[0], "--seed", "0",
+            "--kv-cache-dtype", dtypes[1],
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
         ]  # fmt: skip
         config: dict[str, Any] | None = None
@@ -259,6 +262,8 @@ def main() -> None:
         default=",".join(ENGINES),
         help=f"comma-separated, from {', '.join(ENGINES + OPTIONAL_ENGINES)} (recompute is always run)",
     )
+    parser.add_argument("--dtype", default="float32", help="the model's (bfloat16 for an fp8 cache)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's: auto, fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--out", type=Path, default=Path("bench-out/vllm_connector.json"))
     args = parser.parse_args()
     engines = ["recompute"] + [e for e in args.engines.split(",") if e and e != "recompute"]
@@ -287,13 +292,14 @@ def main() -> None:
             num_layers=args.layers,
             num_kv_heads=args.kv_heads,
             head_dim=args.hidden // args.heads,
-            dtype="float32",
+            dtype=FP8_LAYOUTS.get(args.kv_cache_dtype, args.dtype),
             block_tokens=BLOCK,
         )
         running: dict[str, Engine] = {}
         try:
             for name in engines:  # one at a time: starts do not compete for the cores
-                running[name] = Engine(name, model, work, args.prompt_tokens + 64)
+                dtypes = (args.dtype, args.kv_cache_dtype)
+                running[name] = Engine(name, model, work, args.prompt_tokens + 64, dtypes)
                 running[name].wait_ready()
                 print(f"engine {name} ready", flush=True)
             probes = {
@@ -359,7 +365,8 @@ def main() -> None:
             "hidden": args.hidden,
             "heads": args.heads,
             "kv_heads": args.kv_heads,
-            "dtype": "float32",
+            "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
         },
         "prompt_tokens": args.prompt_tokens,
         "prefix_tokens": args.prefix_tokens,
@@ -372,7 +379,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1))
     print(
         f"\nTTFT in ms through vLLM's OpenAI server, median (min-max) of {args.repeats}; prompt "
-        f"{args.prompt_tokens} tokens, shared prefix {args.prefix_tokens}; cached = tokens vLLM did "
+        f"{args.prompt_tokens} tokens, shared prefix {args.prefix_tokens}; model {args.dtype}, KV cache "
+        f"{args.kv_cache_dtype}; cached = tokens vLLM did "
         f"not prefill; load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n"
     )
     print("\n".join(_table(samples, engines)))
