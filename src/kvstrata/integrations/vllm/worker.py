@@ -104,6 +104,8 @@ class WorkerSide:
         self._allocated = named[0][1] if named else None
         # an fp8 cache is allocated as uint8: viewed as the fp8 it holds, its pages copy byte for byte
         self.layers = [(name, self._typed(cache)) for name, cache in named]
+        if self.layout.fp8:
+            self.page_format()  # an fp8 cache the probe cannot read is refused at start, not at a save
         self._layer_pos = {name: i for i, (name, _) in enumerate(named)}
 
     def _typed(self, cache: torch.Tensor) -> torch.Tensor:
