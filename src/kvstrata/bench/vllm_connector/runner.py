@@ -22,8 +22,9 @@ can skip prefill:
 Per repeat, in rotating engine order, requests with ``max_tokens=1`` (the wall time of one
 completion through the openai client is the time to first token):
 
-* a short request, not timed: an engine that sat idle while the others ran is slower on its
-  first request, whatever it is;
+* a pause of 1.5 s, for the previous engine's worker to stop spinning (vLLM's shared-memory
+  queue reader busy-loops for a second after its last message), then a short request, not timed:
+  an engine that sat idle while the others ran is slower on its first request, whatever it is;
 * ``miss``: a new prompt nobody has seen (recompute, plus the connector's lookup and saving it);
 * ``repeat``: that same prompt again (a full hit);
 * ``shared-prefix``: a prefix stored during warm-up followed by a new suffix;
@@ -58,6 +59,7 @@ COLD_ENGINES = ("recompute", "kvstrata-L3")
 VOCAB = (3, 259)  # byte tokens of kvstrata's tiny tokenizer
 BLOCK = 128  # vLLM's block size on the CPU backend
 MODEL_NAME = "bench"
+IDLE_S = 1.5  # vLLM's worker stops spinning 1 s after its last request (``SpinCondition.busy_loop_s``)
 FP8_LAYOUTS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
@@ -332,6 +334,11 @@ def main() -> None:
                 }
                 order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
                 for name in order:
+                    # the engine before keeps its worker busy: vLLM's shared-memory queue reader
+                    # spins for a second after its last message (sched_yield; 1.0 s of CPU in the
+                    # 3 s after any request, measured), which took a core from the next engine's
+                    # timed requests on two cores (fp8 misses 0.97x-1.53x from run to run)
+                    time.sleep(IDLE_S)
                     # an engine that sat idle while the others ran answers its first request
                     # slower (caches, the others' background work): a short one, not timed
                     ask(name, tokens(16))
