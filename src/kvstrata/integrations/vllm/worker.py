@@ -232,8 +232,10 @@ class WorkerSide:
         for i, spec in enumerate(meta.saves):
             copies = self._copies.setdefault(i, [None] * len(self.layers))
             ids = torch.tensor(spec.page_ids, dtype=torch.long, device=kv_layer.device)
-            # advanced indexing copies: the only work on the forward path
-            copies[pos] = self._typed(kv_layer[ids])
+            # advanced indexing copies: the only work on the forward path. An fp8 cache is indexed
+            # as fp8: torch's index of a uint8 tensor took 0.41 ms for 16 pages of 64 KiB, of the
+            # same bytes viewed as float8 0.02 ms (bf16's 0.14 ms)
+            copies[pos] = self._typed(kv_layer)[ids]
 
     def wait_for_save(self, meta: KVStrataConnectorMetadata) -> None:
         copies, self._copies = self._copies, {}
