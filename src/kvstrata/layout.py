@@ -23,7 +23,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
-"""Layout dtypes that only the byte-exact codecs store (``CodecLadder.check_layout``)."""
+"""Layout dtypes that only the byte-exact codecs store (``CodecLadder.for_layout``)."""
+FP8_TORCH_DTYPES = frozenset(_DTYPES[name] for name in FP8_DTYPES)
 
 LAYOUT_FINGERPRINT_BYTES = 16
 

@@ -23,12 +23,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvstrata.layout import FP8_TORCH_DTYPES
+
 _NUMPY_VIEW = {
     torch.float32: np.float32,
     torch.float16: np.float16,
     torch.bfloat16: np.uint16,  # numpy has no bfloat16: copy the bits
-    torch.float8_e4m3fn: np.uint8,  # nor fp8
-    torch.float8_e5m2: np.uint8,
+    **dict.fromkeys(FP8_TORCH_DTYPES, np.uint8),  # nor fp8
     torch.float64: np.float64,
     torch.uint8: np.uint8,
     torch.int8: np.int8,
@@ -36,6 +37,9 @@ _NUMPY_VIEW = {
     torch.int32: np.int32,
     torch.int64: np.int64,
 }
+
+_BITS = {torch.bfloat16: torch.int16, **dict.fromkeys(FP8_TORCH_DTYPES, torch.uint8)}
+"""Float dtypes numpy lacks, viewed as integers of their width (then as ``_NUMPY_VIEW`` says)."""
 
 
 def has_host_array(tensor: torch.Tensor) -> bool:
@@ -47,10 +51,8 @@ def has_host_array(tensor: torch.Tensor) -> bool:
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (any dtype torch stores in 8-64 bits; bfloat16 as uint16)."""
     view_dtype = _NUMPY_VIEW[tensor.dtype]
-    if tensor.dtype is torch.bfloat16:
-        tensor = tensor.view(torch.uint16) if hasattr(torch, "uint16") else tensor.view(torch.int16)
-    elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        tensor = tensor.view(torch.uint8)
+    if tensor.dtype in _BITS:
+        tensor = tensor.view(_BITS[tensor.dtype])
     array = tensor.numpy()
     return array if array.dtype == view_dtype else array.view(view_dtype)
 

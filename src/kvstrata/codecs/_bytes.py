@@ -17,7 +17,7 @@ import zstandard
 
 from kvstrata.codecs.base import EncodedBlock
 from kvstrata.errors import CodecError, ConfigError, CorruptBlockError
-from kvstrata.layout import KVLayout
+from kvstrata.layout import FP8_TORCH_DTYPES, KVLayout
 
 # Codes written into params records; never renumber them.
 _DTYPE_TO_CODE: dict[torch.dtype, int] = {
@@ -28,7 +28,6 @@ _DTYPE_TO_CODE: dict[torch.dtype, int] = {
     torch.float8_e5m2: 4,
 }
 _CODE_TO_DTYPE: dict[int, torch.dtype] = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
-_FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 # Same-width unsigned views, so bit-pattern transforms never see float semantics (NaN, -0.0).
 UINT_VIEW: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 _TORCH_INT_VIEW: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -53,7 +52,7 @@ def check_block_tensor(kv: torch.Tensor, codec_name: str, byte_exact: bool = Fal
     blocks only for a ``byte_exact`` codec (a lossy one would quantize values already quantized)."""
     if not isinstance(kv, torch.Tensor):
         raise CodecError(f"{codec_name} encodes a torch.Tensor, got {type(kv).__name__}")
-    if kv.dtype not in _DTYPE_TO_CODE or (kv.dtype in _FP8 and not byte_exact):
+    if kv.dtype not in _DTYPE_TO_CODE or (kv.dtype in FP8_TORCH_DTYPES and not byte_exact):
         raise CodecError(f"{codec_name} cannot encode dtype {kv.dtype}")
     if kv.dim() != 5 or kv.shape[0] != 2 or kv.numel() == 0:
         raise CodecError(f"{codec_name} encodes a (2, L, H, T, D) block, got shape {tuple(kv.shape)}")

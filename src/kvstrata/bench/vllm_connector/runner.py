@@ -60,7 +60,6 @@ VOCAB = (3, 259)  # byte tokens of kvstrata's tiny tokenizer
 BLOCK = 128  # vLLM's block size on the CPU backend
 MODEL_NAME = "bench"
 IDLE_S = 1.5  # vLLM's worker stops spinning 1 s after its last request (``SpinCondition.busy_loop_s``)
-FP8_LAYOUTS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def _free_port() -> int:
@@ -275,7 +274,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from kvstrata.integrations.transformers.model import save_tiny_llama
-    from kvstrata.layout import KVLayout
+    from kvstrata.integrations.vllm.layout import FP8_CACHES  # the kv_cache_dtype names vLLM takes
+    from kvstrata.layout import KVLayout, dtype_name
 
     rng = random.Random(7)
 
@@ -290,11 +290,12 @@ def main() -> None:
             work / "model", seed=3, num_layers=args.layers, hidden=args.hidden, heads=args.heads,
             kv_heads=args.kv_heads,
         )  # fmt: skip
+        fp8 = FP8_CACHES.get(args.kv_cache_dtype)
         layout = KVLayout(
             num_layers=args.layers,
             num_kv_heads=args.kv_heads,
             head_dim=args.hidden // args.heads,
-            dtype=FP8_LAYOUTS.get(args.kv_cache_dtype, args.dtype),
+            dtype=dtype_name(fp8) if fp8 is not None else args.dtype,
             block_tokens=BLOCK,
         )
         running: dict[str, Engine] = {}
