@@ -110,13 +110,33 @@ TARGET static inline void tile_out(const KeyTile *tile, Rows r, int64_t t, int64
         for (int64_t d = 0; d < dim; d += LANES) put16(r, t + i, d, _mm512_loadu_ps(&tile->v[i][d]));
 }
 
+/* The next page's bytes, asked for a slice at a time over a page's loop (see decode_attention.cpp's Ahead) */
+typedef struct {
+    const char *base;
+    int64_t bytes, slice;
+} Ahead;
+
+static inline Ahead ahead_over(Ahead a, int64_t steps) {
+    a.slice = (a.bytes / steps + 64) / 64 * 64;
+    return a;
+}
+
+static inline void ahead_step(Ahead a, int64_t i) {
+    const int64_t first = i * a.slice;
+    if (first >= a.bytes) return;
+    const int64_t end = first + a.slice < a.bytes ? first + a.slice : a.bytes;
+    for (int64_t b = first; b < end; b += 64) _mm_prefetch(a.base + b, _MM_HINT_T1);
+}
+
 TARGET static void int8s_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, Rows ok,
-                              Rows ov) {
+                              Rows ov, Ahead ahead) {
     const int64_t tp = key_tokens(INT8S, tokens), per_token = dim / group;
     const uint8_t *kc = base, *vc = base + tp * dim;
     const uint8_t *ks = vc + tokens * dim, *vs = ks + tp * per_token * 2;
     KeyTile tile;
+    const Ahead next = ahead_over(ahead, tp / LANES);
     for (int64_t t = 0; t < tokens; t += LANES) {
+        ahead_step(next, t / LANES);
         const __mmask16 valid = lanes_below(tokens - t);
         for (int64_t d = 0; d < dim; ++d)
             tile_put(&tile, d, valid, _mm512_mul_ps(int8s16(kc + d * tp + t), halves16(ks + 2 * ((d / group) * tp + t))));
@@ -130,7 +150,7 @@ TARGET static void int8s_page(const uint8_t *base, int64_t tokens, int64_t group
 }
 
 TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens, int64_t group, int64_t dim,
-                             Rows ok, Rows ov) {
+                             Rows ok, Rows ov, Ahead ahead) {
     const int bits = codec == KIVI4 ? 4 : 2, per_byte = 8 / bits, span = LANES * per_byte;
     const int64_t tp = key_tokens(codec, tokens), row = tp / per_byte, per_token = dim / group;
     const uint8_t *kc = base, *vc = base + dim * row;
@@ -138,7 +158,9 @@ TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens,
     const uint8_t *vs = kz + 2 * dim, *vz = vs + tokens * per_token * 2;
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
     KeyTile tile;
+    const Ahead next = ahead_over(ahead, (tokens + LANES - 1) / LANES);
     for (int64_t first = 0; first < tokens; first += LANES) {
+        ahead_step(next, first / LANES);
         /* tokens first .. first + 16: bits k * bits of the 16-byte unit of codes holding them */
         const int64_t t = first / span * span, k = (first - t) / LANES;
         const __mmask16 valid = lanes_below(tokens - first);
@@ -167,14 +189,17 @@ TARGET static void kivi_page(const uint8_t *base, int64_t codec, int64_t tokens,
 
 /* kvstrata/codecs/kvmix.py: keys in the page's channel order, the first mix_wide(dim) 4-bit;
  * values 2-bit of the rotated values, each token's row turned back */
-TARGET static void kvmix_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, Rows ok, Rows ov) {
+TARGET static void kvmix_page(const uint8_t *base, int64_t tokens, int64_t group, int64_t dim, Rows ok, Rows ov,
+                              Ahead ahead) {
     const int64_t wide = mix_wide(dim), tp = key_tokens(KVMIX, tokens), per_token = dim / group;
     const uint8_t *order = base, *kw = base + dim, *kn = kw + wide * tp / 2;
     const uint8_t *vc = kn + (dim - wide) * tp / 4, *ks = vc + tokens * dim / 4, *kz = ks + 2 * dim;
     const uint8_t *vs = kz + 2 * dim, *vz = vs + tokens * per_token * 2;
     const __m512i mask4 = _mm512_set1_epi32(15), mask2 = _mm512_set1_epi32(3);
     KeyTile tile;
+    const Ahead next = ahead_over(ahead, (tokens + LANES - 1) / LANES);
     for (int64_t first = 0; first < tokens; first += LANES) {
+        ahead_step(next, first / LANES);
         const int64_t t = first / 64 * 64, k = (first - t) / LANES; /* vector k of the 64 tokens from t */
         const __mmask16 valid = lanes_below(tokens - first);
         for (int64_t j = 0; j < dim; ++j) {
@@ -230,15 +255,22 @@ TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_
         const int64_t nbytes = kvs_page_nbytes(codec, tokens, group, dim);
         for (int64_t h = 0; h < heads; ++h) {
             const uint8_t *base = arena + offset + (layer * heads + h) * nbytes;
+            Ahead ahead = {0, 0, 0};
+            if (p + 1 < pages) {
+                const int64_t *n = table + 4 * (p + 1);
+                const int64_t next_bytes = kvs_page_nbytes(n[0], n[2], n[3], dim);
+                ahead.base = (const char *)arena + n[1] + (layer * heads + h) * next_bytes;
+                ahead.bytes = next_bytes;
+            }
             const int64_t at = (h * head_stride + t0 * token_stride) * element;
             const Rows ok = {(char *)out_k + at, token_stride, (int)bf16};
             const Rows ov = {(char *)out_v + at, token_stride, (int)bf16};
             if (codec == INT8S)
-                int8s_page(base, tokens, group, dim, ok, ov);
+                int8s_page(base, tokens, group, dim, ok, ov, ahead);
             else if (codec == KVMIX)
-                kvmix_page(base, tokens, group, dim, ok, ov);
+                kvmix_page(base, tokens, group, dim, ok, ov, ahead);
             else
-                kivi_page(base, codec, tokens, group, dim, ok, ov);
+                kivi_page(base, codec, tokens, group, dim, ok, ov, ahead);
         }
         t0 += tokens;
     }
