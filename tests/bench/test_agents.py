@@ -145,6 +145,11 @@ def test_cli_pool_runs_encoded_and_exact_device_memory_on_the_wall_clock(tmp_pat
     assert encoded["l1_blocks_by_codec"].get("int8s", 0) > 0
     assert set(exact["l1_blocks_by_codec"]) == {"identity"}
     assert all(run["resident_samples"] > 0 for run in (encoded, exact, alone))
+    # the engine's load: the seconds of its steps, a share of the wall clock (twelve turns of a
+    # tiny model in ten seconds: busy, far from saturated)
+    for run in (encoded, exact, alone):
+        assert run["step_s"] > 0 and 0 < run["busy"] < 0.5
+        assert run["busy"] == pytest.approx(run["step_s"] / run["wall_s"])
     (verdict,) = data["verdicts"]
     assert verdict["agents"] == 2 and verdict["hot_p99_vs_alone"] > 0
     assert verdict["budget_binds"] == (exact["resident_mean"] < 2)  # no 2x to show when all fit exact

@@ -83,6 +83,9 @@ class WallRun:
     steady: list[int] | None = None
     """The samples of the steady state: the second half of ``resident`` (the first fills device
     memory), or of each repeat's (:meth:`merged`)."""
+    step_s: float = 0.0
+    """Seconds the engine spent in batch steps (its load: near the wall clock, the cores are
+    saturated and any added work delays every request behind it)."""
 
     def summary(self) -> dict[str, Any]:
         late = self.steady if self.steady is not None else self.resident[len(self.resident) // 2 :]
@@ -94,7 +97,14 @@ class WallRun:
             "resident_max": max(self.resident, default=0),
             "resident_samples": len(self.resident),
             "l1_blocks_by_codec": self.l1_by_codec,
+            "step_s": self.step_s,
+            "busy": self.busy,
         }
+
+    @property
+    def busy(self) -> float:
+        """The share of the wall clock the engine spent in batch steps."""
+        return self.step_s / self.stats.wall_s if self.stats.wall_s else 0.0
 
     @classmethod
     def merged(cls, runs: list[WallRun]) -> WallRun:
@@ -104,7 +114,8 @@ class WallRun:
         steady = [x for r in runs for x in r.resident[len(r.resident) // 2 :]]
         resident = [x for r in runs for x in r.resident]
         stats = RunStats.merged([r.stats for r in runs])
-        return cls(runs[0].system, stats, resident, runs[-1].l1_by_codec, steady)
+        step_s = statistics.fmean(r.step_s for r in runs)  # as the wall time: a mean run's
+        return cls(runs[0].system, stats, resident, runs[-1].l1_by_codec, steady, step_s)
 
 
 def run_wall(
@@ -134,6 +145,7 @@ def run_wall(
     prompt = system_message(params.system_chars)
     turns: list[Turn] = []
     resident: list[int] = []
+    step_s = [0.0]  # the seconds of the batch steps on the clock (the warm-up's not counted)
     lock = threading.Lock()
     done = threading.Event()
     errors: list[BaseException] = []
@@ -184,6 +196,7 @@ def run_wall(
             engine.chat("warmup", warm, max_new_tokens=1, priority="interactive")
             engine.forget("warmup")
             store.delete_session("warmup")
+            engine.add_step_listener(lambda report: step_s.__setitem__(0, step_s[0] + report.seconds))
             started = time.perf_counter()
             threads = [
                 threading.Thread(target=agent_loop, args=([e for e in events if e.agent == a], started))
@@ -208,7 +221,7 @@ def run_wall(
         sum(t.prompt_tokens for t in turns), sum(t.completion_tokens for t in turns),
         sum(t.prefill_tokens for t in turns), {"L1": l1}, budget, turns,
     )  # fmt: skip
-    return WallRun(system, stats, resident, dict(l1_codecs))
+    return WallRun(system, stats, resident, dict(l1_codecs), step_s=step_s[0])
 
 
 def run_pool(
@@ -268,6 +281,7 @@ def pool_result(
             "background P99",
             "requests",
             "wall s",
+            "steps busy",
         ],
     )
     verdicts = []
@@ -287,6 +301,7 @@ def pool_result(
                 fmt_ms(run_.stats.ttft(BACKGROUND, 99)) if run_ is not alone else "-",
                 run_.stats.requests,
                 f"{run_.stats.wall_s:.0f}",
+                f"{run_.busy:.0%}",
             )
         agents = encoded.stats.agents
         kept_encoded, kept_exact = encoded.summary()["resident_mean"], exact.summary()["resident_mean"]
@@ -329,7 +344,9 @@ def pool_result(
         + "; percentiles over every run's turns. "
         "Resident: agents whose every block is in L1, sampled every 50 ms, mean over the second half of "
         "each run. Each agent sends its turns at their wall-clock times and waits for each reply; TTFT "
-        "counts the wait in the engine's queue."
+        "counts the wait in the engine's queue. Steps busy: the share of the wall clock the engine "
+        "spent in batch steps (its load: the closer the hot agents alone come to all of it, the less "
+        "room the background agents' work finds without delaying a hot turn)."
     )
     data = {
         "model": model.name,
