@@ -140,6 +140,8 @@ def test_cli_rejects_bad_input(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "--repeats must be positive" in result.output
     result = CliRunner().invoke(app, ["bench", "trace", "--warmup", "-1"])
     assert result.exit_code == 1 and "--warmup must be 0 or more" in result.output
+    result = CliRunner().invoke(app, ["bench", "trace", "--interleave", "-1"])
+    assert result.exit_code == 1 and "--interleave must be 0 or more" in result.output
 
 
 def test_repeats_rotate_the_order_after_an_untimed_warmup(
@@ -147,14 +149,25 @@ def test_repeats_rotate_the_order_after_an_untimed_warmup(
 ) -> None:
     from kvstrata.bench.trace import runner
 
-    calls: list[tuple[str, int, int]] = []
-    real = runner.replay
+    calls: list[tuple[str, int, int, int]] = []
+    turns: list[tuple[str, int]] = []  # (policy, requests replayed by the end of its turn)
+    real = runner.replaying
 
     def spy(model, layout, requests, token_map, policy, root, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append((policy, len(requests), kwargs["repeat"]))
-        return real(model, layout, requests, token_map, policy, root, **kwargs)
+        calls.append((policy, len(requests), kwargs["repeat"], kwargs["turn"]))
+        replay = real(model, layout, requests, token_map, policy, root, **kwargs)
+        done = 0
+        while True:
+            try:
+                next(replay)
+            except StopIteration as stop:
+                turns.append((policy, len(stop.value.requests) - done))
+                return stop.value
+            done += kwargs["turn"]
+            turns.append((policy, kwargs["turn"]))
+            yield
 
-    monkeypatch.setattr(runner, "replay", spy)
+    monkeypatch.setattr(runner, "replaying", spy)
     params = TraceParams(
         block_tokens=BT,
         memory_fraction=20.0,
@@ -163,12 +176,24 @@ def test_repeats_rotate_the_order_after_an_untimed_warmup(
         policies=TWO,
         repeats=2,
         warmup=2,
+        interleave=2,
     )
     result = run(params, model=tiny, requests=TRACE, work=tmp_path, show_progress=False)
-    # two warm-up requests under each policy, then the slice twice, the second time LRU first
+    # two warm-up requests under each policy (whole, one after the other), then the slice twice,
+    # the policies taking turns of two requests, the order rotated each round and each repeat
     n = len(TRACE)
-    warmup = [(KVSTRATA, 2, 0), (PLAIN_LRU, 2, 0)]
-    assert calls == [*warmup, (KVSTRATA, n, 0), (PLAIN_LRU, n, 0), (PLAIN_LRU, n, 1), (KVSTRATA, n, 1)]
+    warmup = [(KVSTRATA, 2, 0, 0), (PLAIN_LRU, 2, 0, 0)]
+    assert calls == [
+        *warmup,
+        (KVSTRATA, n, 0, 2),
+        (PLAIN_LRU, n, 0, 2),
+        (PLAIN_LRU, n, 1, 2),
+        (KVSTRATA, n, 1, 2),
+    ]
+    k, lru = KVSTRATA, PLAIN_LRU
+    first = [(k, 2), (lru, 2), (lru, 2), (k, 2), (k, 1), (lru, 1)]
+    second = [(lru, 2), (k, 2), (k, 2), (lru, 2), (lru, 1), (k, 1)]
+    assert turns == [(k, 2), (lru, 2), *first, *second]
     hits, _, _ = ideal_hits(TRACE)
     for summary in result.data["policies"]:
         # every replay starts on a fresh store (the warm-up's thrown away): the hits twice over
@@ -180,7 +205,8 @@ def test_repeats_rotate_the_order_after_an_untimed_warmup(
         note for note in result.tables[0].notes if note.startswith(f"{KVSTRATA}, each replay against")
     ]
     assert paired.count("x / ") == 2 and "faster in " in paired and f" of {2 * n}" in paired
-    assert not [*tmp_path.glob("store-*"), *tmp_path.glob("warmup-*")]  # one store on disk at a time
+    assert any("taking turns of 2 requests" in note for note in result.tables[0].notes)
+    assert not [*tmp_path.glob("store-*"), *tmp_path.glob("warmup-*")]  # the stores removed
 
 
 def bounded_replay(tiny: LoadedModel, tmp_path: Path) -> dict[str, dict[str, object]]:

@@ -38,6 +38,10 @@ class TraceParams:
     repeats: int = 1
     """Replays of the slice per policy, the policies' order rotated each time (the first replay of a
     process is not the one that runs first); the percentiles are over every repeat's requests."""
+    interleave: int = 30
+    """Requests each policy replays before the next policy takes its turn, through the whole slice
+    (the order rotated each round): the machine's drift over a replay of some 20 s then falls on
+    every policy alike. 0: each policy replays the whole slice in turn."""
     warmup: int = 30
     """Requests of the slice replayed once under each policy, untimed, on a throwaway store, before
     the measured replays: the engine's first requests of each prompt shape build its kernels."""
@@ -52,6 +56,8 @@ class TraceParams:
             time_scale=self.time_scale,
             memory_fraction=self.memory_fraction,
         )
+        if self.interleave < 0:
+            raise ConfigError(f"--interleave must be 0 or more requests, got {self.interleave}")
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be 0 or more requests, got {self.warmup}")
         if self.l3_budget is not None:

@@ -90,9 +90,15 @@ def result(
         f"Each 512-token trace block = {bt} tokens (partial last blocks rounded up), prompts cut to "
         f"{params.max_blocks} blocks, every {params.sample_every}th conversation of the first "
         f"{params.window} requests; +1 final token per prompt.",
-        f"{len(repeats)} replay(s) of the slice per policy, the order rotated each time, after "
-        f"{min(params.warmup, info['requests'])} untimed requests under each; percentiles over every "
-        "replay's requests.",
+        f"{len(repeats)} replay(s) of the slice per policy, "
+        + (
+            f"the policies taking turns of {params.interleave} requests through it (the order rotated "
+            "each round; a store's background work waited for at the end of its turn), "
+            if params.interleave
+            else "the order rotated each time, "
+        )
+        + f"after {min(params.warmup, info['requests'])} untimed requests under each; percentiles over "
+        "every replay's requests.",
         f"Trace time / {params.time_scale:g}: {info['span_s']:.0f} s of trace -> "
         f"{info['scaled_span_s']:.1f} s; "
         + ", ".join(f"{r.policy}: {r.summary(bt)['late_requests']} late" for r in runs)

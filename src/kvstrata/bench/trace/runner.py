@@ -30,12 +30,9 @@ passed runs at once (the CPU is slower than the trace), and its TTFT excludes th
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -51,27 +48,24 @@ from kvstrata.bench.common.command import (
 from kvstrata.bench.common.measure import rotate
 from kvstrata.bench.common.models import load_bench_model
 from kvstrata.bench.common.result import BenchResult
-from kvstrata.bench.common.stores import tier_bytes, workdir
+from kvstrata.bench.common.stores import workdir
 from kvstrata.bench.pool.natives import load_natives
 from kvstrata.bench.trace.mooncake import (
     TRACE_BLOCK_TOKENS,
     TokenMap,
     TraceRequest,
-    conversation_of,
     default_trace_path,
     ideal_hits,
     load_trace,
     select,
 )
-from kvstrata.bench.trace.params import KVSTRATA_EXACT_L1, PLAIN_LRU, TIERS, PolicyRun, Replayed, TraceParams
+from kvstrata.bench.trace.params import PolicyRun, TraceParams
+from kvstrata.bench.trace.replay import Budgets, replaying, take_turns
 from kvstrata.bench.trace.report import result
-from kvstrata.errors import ConfigError, KVStrataError
+from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from kvstrata.integrations.transformers.model import LoadedModel
-    from kvstrata.layout import KVLayout
 
 
 def token_map_for(model: LoadedModel, block_tokens: int, seed: int) -> TokenMap:
@@ -81,164 +75,6 @@ def token_map_for(model: LoadedModel, block_tokens: int, seed: int) -> TokenMap:
     low = max(special, default=-1) + 1
     high = min(len(tokenizer), model.model.config.vocab_size)
     return TokenMap(block_tokens, low, high, seed)
-
-
-@dataclass(frozen=True, slots=True)
-class Budgets:
-    l1: int
-    l2: int
-    l3: int | None = None
-
-
-def store_config(policy: str, budgets: Budgets) -> Any:
-    """kvstrata's default policy (with exact device memory for ``KVSTRATA_EXACT_L1``), or plain
-    LRU over exact blocks, in the same budgets."""
-    from kvstrata import StoreConfig
-    from kvstrata.bench.agents.pool import exact_l1_ladder
-    from kvstrata.policy.ladder import CodecLadder
-
-    config = StoreConfig(l1_budget_bytes=budgets.l1, l2_budget_bytes=budgets.l2, l3_budget_bytes=budgets.l3)
-    if policy == PLAIN_LRU:
-        config = dataclasses.replace(config, eviction="lru", ladder=CodecLadder.exact())
-    elif policy == KVSTRATA_EXACT_L1:
-        config = dataclasses.replace(config, ladder=exact_l1_ladder())
-    return config
-
-
-def last_turns(requests: list[TraceRequest]) -> set[int]:
-    """Indexes of each conversation's last request (a one-block request is its own conversation)."""
-    last: dict[object, int] = {}
-    for i, request in enumerate(requests):
-        conversation = conversation_of(request)
-        last[conversation if conversation is not None else ("alone", i)] = i
-    return set(last.values())
-
-
-def replay(
-    model: LoadedModel,
-    layout: KVLayout,
-    requests: list[TraceRequest],
-    token_map: TokenMap,
-    policy: str,
-    root: Path,
-    *,
-    budgets: Budgets,
-    time_scale: float,
-    progress: Progress | None = None,
-    repeat: int = 0,
-    label: str | None = None,
-) -> PolicyRun:
-    """Replay ``requests`` through an engine on a fresh store at ``root`` under ``policy``."""
-    from kvstrata import KVStore
-    from kvstrata.engine import Engine
-    from kvstrata.engine.engine import GenerationRequest
-    from kvstrata.store.tiers.base import TierLevel
-
-    config = store_config(policy, budgets)
-    keep = last_turns(requests) if budgets.l3 is not None else set()
-    bt = token_map.block_tokens
-    peak = dict.fromkeys(TIERS, 0)
-    out: list[Replayed] = []
-    failed: list[str] = []
-    failed_blocks = 0
-    kept: list[str] = []
-    task = progress.add_task(label or policy, total=len(requests)) if progress is not None else None
-    t0_ms = requests[0].timestamp_ms
-    with KVStore(root, layout, model_fingerprint=model.fingerprint, config=config) as store:
-        engine = Engine(model, store)
-        started = time.perf_counter()
-        try:
-            for i, request in enumerate(requests):
-                due = (request.timestamp_ms - t0_ms) / 1e3 / time_scale
-                now = time.perf_counter() - started
-                if due > now:
-                    time.sleep(due - now)
-                lag = max(0.0, time.perf_counter() - started - due)
-                ids = token_map.prompt(request)
-                session_id = f"req-{i}"
-                try:
-                    request_ = GenerationRequest(
-                        session_id, prompt_ids=ids, max_new_tokens=1, transient=i not in keep
-                    )
-                    reply = engine.run(request_)
-                except KVStrataError as exc:  # a checkpoint whose blocks L3 refused, for one
-                    failed.append(f"request {i}: {exc}")
-                    failed_blocks += len(request.hash_ids)
-                    reply = None
-                engine.forget(session_id)
-                if i in keep and reply is not None:
-                    kept.append(session_id)
-                else:
-                    store.delete_session(session_id)
-                if reply is not None:
-                    by_tier = {t: reply.cached_by_tier.get(t, 0) // bt for t in TIERS}
-                    out.append(
-                        Replayed(
-                            i,
-                            len(request.hash_ids),
-                            reply.cached_tokens // bt,
-                            by_tier,
-                            reply.prompt_tokens,
-                            reply.prefill_tokens,
-                            reply.ttft_ms,
-                            lag,
-                            repeat,
-                        )
-                    )
-                for tier, n in tier_bytes(store).items():
-                    peak[tier] = max(peak[tier], n)
-                if progress is not None and task is not None:
-                    progress.advance(task)
-            wall = time.perf_counter() - started
-        finally:
-            engine.close()
-        store.flush()
-        final = tier_bytes(store)
-        by_codec = {t.tier: dict(t.bytes_by_codec) for t in store.stats().tiers}
-        l3 = store.counters.tiers[TierLevel.L3]
-        writes = {
-            "failed_requests": len(failed),
-            "first_failure": failed[0] if failed else None,
-            "write_failures": store.counters.write_failures,
-            "l3_rejected": l3.rejected,
-            "l3_evictions": l3.evictions,
-            "l3_budget_bytes": budgets.l3,
-        }
-    sessions = check_sessions(root, layout, model.fingerprint, config, kept)
-    if keep:
-        sessions["conversations"] = len(keep)  # kept: those whose last request succeeded
-    return PolicyRun(policy, out, wall, peak, final, by_codec, writes, sessions, failed_blocks)
-
-
-def check_sessions(
-    root: Path, layout: KVLayout, fingerprint: bytes, config: Any, session_ids: list[str]
-) -> dict[str, Any]:
-    """Reopen the store (a fresh process's view: no live sessions) and load every kept session:
-    ``readable`` (every token), ``recompute`` (cut at the first block L3 no longer holds: the
-    engine recomputes from there) or an error (corrupt, lost index row: what must never happen)."""
-    from kvstrata import KVStore
-
-    readable = cut = 0
-    errors: list[str] = []
-    with KVStore(root, layout, model_fingerprint=fingerprint, config=config) as store:
-        for session_id in session_ids:
-            try:
-                session = store.session(session_id)
-                loaded = store.load(session)
-            except KVStrataError as exc:
-                errors.append(f"{session_id}: {exc}")
-                continue
-            if loaded.missing_from_token is None and loaded.num_tokens == session.num_tokens:
-                readable += 1
-            else:
-                cut += 1
-    return {
-        "kept": len(session_ids),
-        "readable": readable,
-        "recompute": cut,
-        "errors": len(errors),
-        "first_error": errors[0] if errors else None,
-    }
 
 
 def run(
@@ -275,27 +111,44 @@ def run(
         repeats: list[list[PolicyRun]] = []
         with progress_bar(show_progress) as progress:
 
-            def replay_in(
-                store: Path, slice_: list[TraceRequest], policy: str, repeat: int, label: str
-            ) -> PolicyRun:
+            def replays(
+                name: str, slice_: list[TraceRequest], repeat: int, suffix: str, turn: int
+            ) -> list[PolicyRun]:
+                """Each policy's replay of ``slice_`` on a fresh store, ``turn`` requests at a time
+                (0: one policy after the other), the order rotated by ``repeat``."""
+                order = rotate(params.policies, repeat)
+                stores = [root / f"{name}-{params.policies.index(policy)}" for policy in order]
                 try:
-                    return replay(
-                        model, layout, slice_, token_map, policy, store, budgets=budgets,
-                        time_scale=params.time_scale, progress=progress, repeat=repeat, label=label,
-                    )  # fmt: skip
+                    turns = [
+                        replaying(
+                            model,
+                            layout,
+                            slice_,
+                            token_map,
+                            policy,
+                            store,
+                            budgets=budgets,
+                            time_scale=params.time_scale,
+                            progress=progress,
+                            repeat=repeat,
+                            label=policy + suffix,
+                            turn=turn,
+                        )
+                        for policy, store in zip(order, stores, strict=True)
+                    ]
+                    runs = take_turns(turns)
                 finally:
-                    shutil.rmtree(store, ignore_errors=True)  # one store on disk at a time
+                    for store in stores:
+                        shutil.rmtree(store, ignore_errors=True)
+                by_policy = dict(zip(order, runs, strict=True))
+                return [by_policy[policy] for policy in params.policies]
 
             warm = requests[: params.warmup]
-            for n, policy in enumerate(params.policies if warm else ()):
-                replay_in(root / f"warmup-{n}", warm, policy, 0, f"warm-up: {policy}")
+            if warm:
+                replays("warmup", warm, 0, " (warm-up)", 0)
             for repeat in range(params.repeats):
                 suffix = f" (repeat {repeat + 1})" if params.repeats > 1 else ""
-                runs: dict[str, PolicyRun] = {}
-                for policy in rotate(params.policies, repeat):
-                    store = root / f"store-{repeat}-{params.policies.index(policy)}"
-                    runs[policy] = replay_in(store, requests, policy, repeat, policy + suffix)
-                repeats.append([runs[policy] for policy in params.policies])
+                repeats.append(replays(f"store-{repeat}", requests, repeat, suffix, params.interleave))
         merged = [PolicyRun.merged([r[n] for r in repeats]) for n in range(len(params.policies))]
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3
     slice_info = {
@@ -341,6 +194,13 @@ def command(
     repeats: Annotated[
         int, typer.Option(help="Replays of the slice per policy, the order rotated each time.")
     ] = 1,
+    interleave: Annotated[
+        int,
+        typer.Option(
+            help="Requests each policy replays before the next one's turn, through the slice "
+            "(0: each policy replays the whole slice in turn)."
+        ),
+    ] = 30,
     warmup: Annotated[
         int, typer.Option(help="Requests replayed untimed under each policy first (0: none).")
     ] = 30,
@@ -365,6 +225,7 @@ def command(
             seed=seed,
             model=model,
             repeats=repeats,
+            interleave=interleave,
             warmup=warmup,
         )
         result_ = run(params, work=workdir_)
