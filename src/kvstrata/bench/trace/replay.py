@@ -1,6 +1,7 @@
-"""One policy's replay of a trace slice through the engine (:func:`replay`), a turn at a time
-(:func:`replaying`), the policies taking turns through it (:func:`take_turns`); the kept sessions
-read back afterwards (:func:`check_sessions`). What the bench runs and reports: :mod:`.runner`."""
+"""One policy's replay of a trace slice through the engine, a turn at a time (:func:`replaying`),
+the policies taking turns through it (:func:`take_turns`; one replay alone: ``take_turns([r])``);
+the kept sessions read back afterwards (:func:`check_sessions`). What the bench runs and reports:
+:mod:`.runner`."""
 
 from __future__ import annotations
 
@@ -56,28 +57,6 @@ def last_turns(requests: list[TraceRequest]) -> set[int]:
     return set(last.values())
 
 
-def replay(
-    model: LoadedModel,
-    layout: KVLayout,
-    requests: list[TraceRequest],
-    token_map: TokenMap,
-    policy: str,
-    root: Path,
-    *,
-    budgets: Budgets,
-    time_scale: float,
-    progress: Progress | None = None,
-    repeat: int = 0,
-    label: str | None = None,
-) -> PolicyRun:
-    """Replay ``requests`` through an engine on a fresh store at ``root`` under ``policy``."""
-    turns = replaying(
-        model, layout, requests, token_map, policy, root, budgets=budgets, time_scale=time_scale,
-        progress=progress, repeat=repeat, label=label,
-    )  # fmt: skip
-    return take_turns([turns])[0]
-
-
 def take_turns(replays: list[Generator[None, None, PolicyRun]]) -> list[PolicyRun]:
     """Run ``replays`` (:func:`replaying`) a turn each, the order rotated each round, until every
     one has ended; their runs, in the order given."""
@@ -109,9 +88,10 @@ def replaying(
     label: str | None = None,
     turn: int = 0,
 ) -> Generator[None, None, PolicyRun]:
-    """:func:`replay` a turn at a time: after every ``turn`` requests (0: never) the store's
-    background work is waited for and control goes back to the caller (another policy's turn,
-    :func:`take_turns`); the replay's clock stands still meanwhile. Its run is the value returned."""
+    """Replay ``requests`` through an engine on a fresh store at ``root`` under ``policy``, a turn at
+    a time: after every ``turn`` requests (0: never) the store's background work is waited for and
+    control goes back to the caller (another policy's turn, :func:`take_turns`); the replay's clock
+    stands still meanwhile. Its run is the value returned."""
     from kvstrata import KVStore
     from kvstrata.engine import Engine
     from kvstrata.engine.engine import GenerationRequest

@@ -2,7 +2,8 @@
 
 A slice of ``conversation_trace.jsonl`` (see :mod:`kvstrata.bench.trace.mooncake` for how 512-token
 trace blocks become ``--block-tokens`` token ids, equal hash ids giving equal tokens) is replayed
-through the :class:`~kvstrata.engine.Engine` twice, in one run, in the same memory budget:
+through the :class:`~kvstrata.engine.Engine` under three policies, in one run, in the same memory
+budget:
 
 - **kvstrata**: the default policy (``cost`` eviction, the default codec ladder: these requests
   are ``interactive``, int8s in device memory (encoded L1, attended where they lie), int8 in L2
@@ -25,7 +26,10 @@ and after the replay reopens the store and loads every kept session: whole, or c
 block L3 no longer holds (the engine recomputes from there), never an error.
 
 Arrivals keep the trace's timing divided by ``--time-scale``; a request whose scaled arrival has
-passed runs at once (the CPU is slower than the trace), and its TTFT excludes the wait.
+passed runs at once (the CPU is slower than the trace), and its TTFT excludes the wait. The
+policies take turns of ``--interleave`` requests through the slice, each on its own store (the
+order rotated each round; :mod:`.replay`), so that the machine's drift over a replay falls on all
+of them alike.
 """
 
 from __future__ import annotations
