@@ -163,3 +163,29 @@ def test_an_arena_keeps_blocks_in_sequence_order_and_refuses_overlaps() -> None:
         arena.add(100, spec, pages.to_pages(block, spec, lay))
     with pytest.raises(ConfigError, match="bytes"):
         arena.add(300, spec, np.zeros(5, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [64, 37])
+def test_int8s_decodes_into_a_strided_slice_the_same_bits_as_decode(dtype: str, tokens: int) -> None:
+    """What a restore does with a block held int8s (device memory's page, or an L2 record): decoded
+    into its slice of one buffer (head_dim contiguous, tokens strided), in one native call where
+    the library takes the buffer (float32, bfloat16), with torch where not (float16), never a
+    different value than ``decode`` gives, nothing written outside the slice."""
+    from kvstrata.codecs import decode_into
+
+    if _pages_native.LIBRARY.load(300) is None:
+        pytest.skip(f"the native dequantization is not available here: {_pages_native.LIBRARY.status()}")
+    lay = layout(dtype)
+    block = Int8SymCodec().encode(make_block(lay, tokens, seed=tokens))
+    held = np.frombuffer(bytearray(block.payload), dtype=np.uint8)  # as device memory hands it out
+    buffer = torch.full((2, 2, 3, 160, 64), float("nan"), dtype=lay.torch_dtype)
+    room = buffer[:, :, :, 16 : 16 + tokens]
+    native = _pages_native.dequantize_block(block.payload, [int(CodecId.INT8S), 0, tokens, 64], room)
+    assert native == (dtype != "float16")
+    room.fill_(float("nan"))
+    for record in (block, type(block)(block.codec, block.params, memoryview(held), tokens)):
+        decode_into(record, lay, room)
+        assert torch.equal(room, Int8SymCodec().decode(block, lay))
+        assert torch.isnan(buffer[:, :, :, :16]).all() and torch.isnan(buffer[:, :, :, 16 + tokens :]).all()
+        room.fill_(float("nan"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvstrata.native import NativeLibrary
@@ -29,6 +30,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
         return "this CPU has no AVX-512"
     lib.kvs_pages_dequant.restype = None
     lib.kvs_pages_dequant.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64]
+    lib.kvs_pages_dequant_layers.restype = None
+    lib.kvs_pages_dequant_layers.argtypes = [_PTR, _PTR, *[_I64] * 4, _PTR, _PTR, *[_I64] * 4]
     return None
 
 
@@ -67,5 +70,31 @@ def dequantize_layer(
         arena.data_ptr(), table.data_ptr(), table.shape[0], layer, heads, out_k.shape[-1],
         out_k.data_ptr(), out_v.data_ptr(), out_k.stride(0), out_k.stride(1),
         int(out_k.dtype is torch.bfloat16),
+    )  # fmt: skip
+    return True
+
+
+def dequantize_block(payload: bytes | memoryview, row: list[int], out: torch.Tensor) -> bool:
+    """One block's pages (``payload``: a record that is its pages, read where it lies; ``row``: its
+    page table row, both checked by the caller) into ``out`` ``(2, layers, heads, tokens,
+    head_dim)``, every layer in one call; False where :func:`dequantize_layer` would be."""
+    lib = LIBRARY.ready()
+    if lib is None or out.dim() != 5 or out.shape[3] != row[2]:
+        return False
+    keys, values = out[0], out[1]
+    if (
+        out.device.type != "cpu"
+        or out.dtype not in (torch.float32, torch.bfloat16)
+        or out.shape[-1] > MAX_HEAD_DIM
+        or out.stride(-1) != 1
+        or keys.stride() != values.stride()
+    ):
+        return False
+    pages = np.frombuffer(payload, dtype=np.uint8)
+    table = (_I64 * len(row))(*row)
+    lib.kvs_pages_dequant_layers(
+        pages.ctypes.data, ctypes.addressof(table), 1, out.shape[1], out.shape[2], out.shape[4],
+        keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
+        int(out.dtype is torch.bfloat16),
     )  # fmt: skip
     return True

@@ -39,6 +39,7 @@ from kvstrata.codecs._bytes import (
     expect_length,
     require_int,
 )
+from kvstrata.codecs._pages_native import dequantize_block
 from kvstrata.codecs._quant import SCALE_BYTES, fp16_toward
 from kvstrata.codecs._quant_native import int8s_pages
 from kvstrata.codecs.base import DEFAULT_CONTEXT, BlockContext, CodecId, EncodedBlock, tensor_bytes
@@ -136,6 +137,17 @@ class Int8SymCodec:
         pages = pages.view(layout.num_layers, layout.num_kv_heads, -1)
         kv = dequantize_pages(pages, block.num_tokens, layout.head_dim, group)
         return kv.to(layout.torch_dtype)
+
+    def decode_into(self, block: EncodedBlock, layout: KVLayout, dest: torch.Tensor) -> None:
+        """Decode into ``dest`` (a CPU view of the block's shape: a restore's buffer): once the
+        native dequantization is loaded (:mod:`kvstrata.codecs._pages_native`), in one call over
+        the payload as it lies, the same bits as :meth:`decode` (which makes a copy of the payload,
+        float32 keys and values and a stack of them, in some fifteen torch operations); else
+        decoded, then copied."""
+        group = self.group_of(block, layout)
+        row = [int(self.codec_id), 0, block.num_tokens, group]
+        if not dequantize_block(block.payload, row, dest):
+            dest.copy_(self.decode(block, layout))
 
 
 def dequantize_pages(pages: torch.Tensor, tokens: int, head_dim: int, group: int) -> torch.Tensor:

@@ -277,3 +277,15 @@ TARGET void kvs_pages_dequant(const uint8_t *arena, const int64_t *table, int64_
         t0 += tokens;
     }
 }
+
+/* Every layer of the table's pages into out_k / out_v, layer l's at l * layer_stride elements: one
+ * call for a block a restore decodes into its buffer (through ctypes a call costs about as much as
+ * dequantizing one layer of a 16-token block). */
+TARGET void kvs_pages_dequant_layers(const uint8_t *arena, const int64_t *table, int64_t pages, int64_t layers,
+                                     int64_t heads, int64_t dim, void *out_k, void *out_v, int64_t layer_stride,
+                                     int64_t head_stride, int64_t token_stride, int64_t bf16) {
+    const int64_t step = layer_stride * (bf16 ? 2 : 4);
+    for (int64_t layer = 0; layer < layers; ++layer)
+        kvs_pages_dequant(arena, table, pages, layer, heads, dim, (char *)out_k + layer * step,
+                          (char *)out_v + layer * step, head_stride, token_stride, bf16);
+}
