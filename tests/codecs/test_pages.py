@@ -189,3 +189,5 @@ def test_int8s_decodes_into_a_strided_slice_the_same_bits_as_decode(dtype: str, 
         assert torch.equal(room, Int8SymCodec().decode(block, lay))
         assert torch.isnan(buffer[:, :, :, :16]).all() and torch.isnan(buffer[:, :, :, 16 + tokens :]).all()
         room.fill_(float("nan"))
+    with pytest.raises(RuntimeError):  # a destination of another shape than the block's: refused, not overrun
+        decode_into(block, lay, buffer[:, :1, :, 16 : 16 + tokens])

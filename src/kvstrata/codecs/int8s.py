@@ -146,7 +146,8 @@ class Int8SymCodec:
         decoded, then copied."""
         group = self.group_of(block, layout)
         row = [int(self.codec_id), 0, block.num_tokens, group]
-        if not dequantize_block(block.payload, row, dest):
+        fits = tuple(dest.shape) == tuple(layout.block_shape(block.num_tokens))  # what the payload holds
+        if not (fits and dequantize_block(block.payload, row, dest)):
             dest.copy_(self.decode(block, layout))
 
 
