@@ -54,17 +54,9 @@ def dequantize_layer(
     lib = LIBRARY.ready()
     if lib is None:
         return False
-    if (
-        arena.device.type != "cpu"
-        or out_k.dtype not in (torch.float32, torch.bfloat16)
-        or out_v.dtype is not out_k.dtype
-        or out_k.shape[-1] > MAX_HEAD_DIM
-        or out_k.device.type != "cpu"
-        or out_k.stride() != out_v.stride()
-        or out_k.stride(-1) != 1
-        or not table.is_contiguous()
-        or not arena.is_contiguous()
-    ):
+    if not _takes(out_k, out_v) or arena.device.type != "cpu" or not table.is_contiguous():
+        return False
+    if not arena.is_contiguous():
         return False
     lib.kvs_pages_dequant(
         arena.data_ptr(), table.data_ptr(), table.shape[0], layer, heads, out_k.shape[-1],
@@ -82,13 +74,7 @@ def dequantize_block(payload: bytes | memoryview, row: list[int], out: torch.Ten
     if lib is None or out.dim() != 5 or out.shape[3] != row[2]:
         return False
     keys, values = out[0], out[1]
-    if (
-        out.device.type != "cpu"
-        or out.dtype not in (torch.float32, torch.bfloat16)
-        or out.shape[-1] > MAX_HEAD_DIM
-        or out.stride(-1) != 1
-        or keys.stride() != values.stride()
-    ):
+    if not _takes(keys, values):
         return False
     pages = np.frombuffer(payload, dtype=np.uint8)
     table = (_I64 * len(row))(*row)
@@ -98,3 +84,16 @@ def dequantize_block(payload: bytes | memoryview, row: list[int], out: torch.Ten
         int(out.dtype is torch.bfloat16),
     )  # fmt: skip
     return True
+
+
+def _takes(out_k: torch.Tensor, out_v: torch.Tensor) -> bool:
+    """Whether the library writes into ``out_k`` / ``out_v``: float32 or bfloat16 CPU tensors of
+    one dtype and one stride, head_dim contiguous and at most ``MAX_HEAD_DIM``."""
+    return (
+        out_k.device.type == "cpu"
+        and out_k.dtype in (torch.float32, torch.bfloat16)
+        and out_v.dtype is out_k.dtype
+        and out_k.shape[-1] <= MAX_HEAD_DIM
+        and out_k.stride() == out_v.stride()
+        and out_k.stride(-1) == 1
+    )
